@@ -1,0 +1,32 @@
+"""Shape/dtype checks shared by every launcher and reference (see `_contract.md`)."""
+import torch
+
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_cache(k_cache, v_cache, kmin, kmax, valid):
+    """Validate one layer's paged storage; return `(B, H_kv, C, D)`."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [B, H_kv, C, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B, H, C, D = k_cache.shape
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"K/V must share one dtype among {KV_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
+    if kmin.shape != kmax.shape or kmin.dim() != 4 or kmin.shape[:2] != (B, H) or kmin.shape[3] != D:
+        raise ValueError(f"kmin/kmax must be [B={B}, H_kv={H}, P, D={D}], got {tuple(kmin.shape)} and {tuple(kmax.shape)}")
+    P = kmin.shape[2]
+    if P == 0 or C % P or (C // P) & (C // P - 1):
+        raise ValueError(f"capacity {C} must be a whole number of power-of-two pages, got {P} pages")
+    if kmin.dtype != k_cache.dtype or kmax.dtype != k_cache.dtype:
+        raise TypeError(f"kmin/kmax must have the keys' dtype {k_cache.dtype}, got {kmin.dtype}/{kmax.dtype}")
+    if valid.shape != (B, C) or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor, got {valid.dtype} {tuple(valid.shape)}")
+    return B, H, C, D
+
+
+def check_query(q, num_kv_heads: int, head_dim: int, batch: int):
+    """Validate a decode query `[B, H_q, D]`; return the GQA group size `H_q // H_kv`."""
+    if q.dim() != 3 or q.shape[0] != batch or q.shape[2] != head_dim:
+        raise ValueError(f"q must be [B={batch}, H_q, D={head_dim}], got {tuple(q.shape)}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"{q.shape[1]} query heads cannot be grouped over {num_kv_heads} KV heads")
+    return q.shape[1] // num_kv_heads
