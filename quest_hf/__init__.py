@@ -1,0 +1,13 @@
+"""quest-hf: Quest query-aware sparse decode attention (arXiv 2406.10774) for Hugging Face transformers.
+
+    from quest_hf import patch_model
+    patch_model(model, budget=2048, page_size=16)
+    model.generate(...)
+"""
+from .cache import QuestCache, QuestLayer
+from .config import QuestConfig
+from .patch import SUPPORTED_MODEL_TYPES, patch_model, patched, unpatch_model
+
+__all__ = ["patch_model", "unpatch_model", "patched", "QuestConfig", "QuestCache", "QuestLayer",
+           "SUPPORTED_MODEL_TYPES"]
+__version__ = "0.1.0"

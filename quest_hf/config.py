@@ -1,0 +1,65 @@
+"""QuestConfig: every knob of quest-hf, validated once on creation."""
+from dataclasses import dataclass
+
+GQA_MODES = ("union", "max", "sum")
+BACKENDS = ("auto", "torch", "triton")
+POLICIES = ("quest", "streaming", "oracle")
+MAX_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class QuestConfig:
+    """Settings of Quest query-aware sparse decode attention (arXiv 2406.10774).
+
+    Args:
+        budget: tokens each query head may attend to per decode step; `budget // page_size` pages
+            (the current page included). A layer whose context (or sliding window) is no longer than
+            the budget runs dense. Under `gqa_mode="union"` each query head of a KV group picks its own
+            pages, so a KV head reads at most `group_size * budget` tokens; `"max"`/`"sum"` share one
+            choice per KV head and read at most `budget` tokens.
+        page_size: tokens per page (power of two, 4 to 256); each page keeps the element-wise min and
+            max of its keys per KV head.
+        dense_layers: the first layers stay dense (the paper keeps 2).
+        gqa_mode: `"union"` (default): union of the query heads' Top-K per KV group; `"max"` / `"sum"`:
+            rank pages by the group's max / summed bound, one Top-K per KV head.
+        backend: `"auto"` (Triton kernels on CUDA, PyTorch elsewhere), `"torch"`, `"triton"`.
+        policy: `"quest"` (default); `"streaming"` (first page + most recent pages, query-agnostic
+            baseline) and `"oracle"` (top-budget tokens by exact q.k per head; reads every key, for
+            evaluation only) go through the same decode path for comparisons.
+    """
+
+    budget: int = 2048
+    page_size: int = 16
+    dense_layers: int = 2
+    gqa_mode: str = "union"
+    backend: str = "auto"
+    policy: str = "quest"
+
+    def __post_init__(self):
+        for name in ("budget", "page_size", "dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"QuestConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+        ps = self.page_size
+        if ps < 4 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
+            raise ValueError(
+                f"page_size must be a power of two between 4 and {MAX_PAGE_SIZE} (the kernels tile pages by it), "
+                f"got {ps}; the default is 16"
+            )
+        if self.budget <= 0:
+            raise ValueError(f"budget must be a positive number of tokens, got {self.budget}; try budget=2048")
+        if self.budget < 2 * ps:
+            raise ValueError(
+                f"budget={self.budget} is smaller than 2 pages of {ps} tokens: Quest needs the current page "
+                f"plus at least one chosen page; use budget >= {2 * ps}"
+            )
+        if self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+
+    @property
+    def num_pages(self) -> int:
+        """Pages chosen per query head (or per KV head in the shared modes): `budget // page_size`."""
+        return self.budget // self.page_size

@@ -1,0 +1,1 @@
+"""Evaluation cores shared by `scripts/` and the tests (model-agnostic, no plotting)."""

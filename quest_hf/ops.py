@@ -1,0 +1,53 @@
+"""Backend dispatch: the Triton kernels or their PyTorch twins, chosen per device and visible to the user."""
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers.utils import logging
+
+import triton_kernels as tk
+
+logger = logging.get_logger("quest_hf")
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    append_kv: Callable
+    score_pages: Callable
+    topk_pages: Callable
+    sparse_decode_attention: Callable
+
+
+TORCH = Ops("torch", tk.append_kv_ref, tk.score_pages_ref, tk.topk_pages_ref, tk.sparse_decode_attention_ref)
+TRITON = Ops("triton", tk.append_kv, tk.score_pages, tk.topk_pages, tk.sparse_decode_attention)
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device`, or None when they can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed (pip install triton)"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the slow interpreter), got {device.type}"
+
+
+def resolve_backend(requested: str, device: torch.device) -> Ops:
+    """Pick the ops for one cache layer on `device`. `"triton"` fails loudly; `"auto"` says when it falls back."""
+    if requested == "torch":
+        return TORCH
+    reason = triton_unavailable_reason(device)
+    if requested == "triton":
+        if reason:
+            raise RuntimeError(f"backend='triton' cannot run: {reason}. Use backend='auto' or backend='torch'.")
+        return TRITON
+    if reason is None and device.type == "cuda":
+        return TRITON
+    if device.type == "cuda":
+        logger.warning_once(f"quest-hf: decode uses the PyTorch reference path, not Triton: {reason}")
+    else:
+        logger.info_once(f"quest-hf: {device.type} device, decode uses the PyTorch reference path")
+    return TORCH

@@ -1,0 +1,178 @@
+"""`patch_model` / `unpatch_model`: one line to make a HF model decode with Quest sparse attention.
+
+Through HF's own extension points: the "quest" attention and mask functions are registered with
+`AttentionInterface` / `AttentionMaskInterface`; a forward pre-hook on the decoder hands each forward's
+`QuestCache` and padding mask to the attention function; `generate` is wrapped only to create a
+`QuestCache` when the caller passes none.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import logging
+
+from .attention import NAME, quest_attention_forward
+from .cache import QuestCache
+from .config import QuestConfig
+
+logger = logging.get_logger("quest_hf")
+
+# model_type -> why it is supported (all four call `ALL_ATTENTION_FUNCTIONS.get_interface(...)` with
+# RoPE already applied, and pass `sliding_window` where the model has one).
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama 2/3, SmolLM2, TinyLlama, ...",
+    "mistral": "Mistral (sliding window optional)",
+    "qwen2": "Qwen2 / Qwen2.5 (per-layer sliding window optional)",
+    "qwen3": "Qwen3 (q/k norms before the cache)",
+}
+
+AttentionInterface.register(NAME, quest_attention_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # without it padded batches get no mask at all
+
+
+@dataclass
+class _PatchState:
+    config: QuestConfig
+    num_layers: int
+    original_attn: str
+    cache_arg: str  # the decoder's name for the cache argument: "cache" (>= 5.24) or "past_key_values"
+    handles: list = field(default_factory=list)
+    attention_modules: list = field(default_factory=list)
+    cache: QuestCache | None = None  # the cache of the forward in flight
+
+
+def cache_arg_name(model) -> str:
+    """The decoder's name for the cache argument: "cache" (transformers >= 5.24) or "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+
+
+def _before_forward(decoder, args, kwargs):
+    state: _PatchState = decoder._quest_state
+    bound = inspect.signature(decoder.forward).bind_partial(*args, **kwargs).arguments
+    cache = bound.get("cache", bound.get("past_key_values"))
+    if cache is None:
+        use_cache = bound.get("use_cache")
+        use_cache = decoder.config.use_cache if use_cache is None else use_cache
+        if use_cache and not decoder.training:
+            cache = QuestCache(state.config, state.num_layers)
+            kwargs[state.cache_arg] = cache
+    elif not isinstance(cache, QuestCache):
+        raise TypeError(
+            f"this model is patched for Quest and needs a QuestCache, got {type(cache).__name__}: pass "
+            "QuestCache.from_model(model), pass no cache (generate() makes one), or unpatch_model(model) first"
+        )
+    if cache is not None:
+        new = bound.get("input_ids")
+        new = bound.get("inputs_embeds") if new is None else new
+        cache.begin_step(bound.get("attention_mask"), new.shape[1])
+    state.cache = cache
+    return args, kwargs
+
+
+def _after_forward(decoder, args, kwargs, output):
+    decoder._quest_state.cache = None  # drop the reference: the cache lives as long as its user keeps it
+
+
+def _wrap_generate(model, state: _PatchState):
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and use_cache is not False:
+            kwargs[state.cache_arg] = QuestCache(state.config, state.num_layers)
+        return original(*args, **kwargs)
+
+    model.generate = generate
+
+
+def patch_model(model, budget: int | None = None, page_size: int | None = None, *,
+                config: QuestConfig | None = None, **options):
+    """Make `model` decode with Quest sparse attention, in place; returns `model`.
+
+    `patch_model(model, budget=2048, page_size=16, dense_layers=2, gqa_mode="union", backend="auto")`, or
+    `patch_model(model, config=QuestConfig(...))`. Calling it again re-configures (new caches use the
+    new settings). Supported `config.model_type`: llama, mistral, qwen2, qwen3. Dense attention (prefill,
+    dense layers) runs HF's SDPA.
+    """
+    given = {k: v for k, v in dict(budget=budget, page_size=page_size, **options).items() if v is not None}
+    if config is not None and given:
+        raise TypeError(f"pass either config= or keyword settings, not both (got config and {sorted(given)})")
+    config = config if config is not None else QuestConfig(**given)
+    if not isinstance(config, QuestConfig):
+        raise TypeError(f"config must be a QuestConfig, got {type(config).__name__}")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+        raise ValueError(f"quest-hf does not support model_type {model_type!r}; supported: {supported}")
+
+    state = getattr(model, "_quest_state", None)
+    if state is not None:
+        state.config = config
+        logger.info(f"quest-hf: re-configured {model_type} with {config}")
+        return model
+
+    decoder = model.base_model
+    text_cfg = model.config.get_text_config()
+    state = _PatchState(
+        config=config,
+        num_layers=text_cfg.num_hidden_layers,
+        original_attn=model.config._attn_implementation,
+        cache_arg=cache_arg_name(model),
+        attention_modules=_attention_modules(model),
+    )
+    if len(state.attention_modules) != state.num_layers:
+        raise ValueError(f"found {len(state.attention_modules)} attention modules for "
+                         f"{state.num_layers} layers; this model layout is not supported")
+    model.set_attn_implementation(NAME)
+    for m in state.attention_modules:
+        m._quest_state = state
+    decoder._quest_state = state
+    state.handles.append(decoder.register_forward_pre_hook(_before_forward, with_kwargs=True))
+    state.handles.append(decoder.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
+    model._quest_state = state
+    if hasattr(model, "generate"):
+        _wrap_generate(model, state)
+    logger.info(f"quest-hf: patched {model_type} ({state.num_layers} layers) with {config}")
+    return model
+
+
+def unpatch_model(model):
+    """Undo `patch_model`: original attention implementation, hooks removed, class `generate` back."""
+    state = model.__dict__.pop("_quest_state", None)
+    if state is None:
+        return model
+    for h in state.handles:
+        h.remove()
+    for m in state.attention_modules:
+        m.__dict__.pop("_quest_state", None)
+    model.base_model.__dict__.pop("_quest_state", None)
+    model.__dict__.pop("generate", None)
+    model.set_attn_implementation(state.original_attn)
+    return model
+
+
+@contextlib.contextmanager
+def patched(model, budget: int | None = None, page_size: int | None = None, *,
+            config: QuestConfig | None = None, **options):
+    """`with patched(model, budget=1024): model.generate(...)` — unpatched on exit, also on error."""
+    was_patched = getattr(model, "_quest_state", None)
+    previous = was_patched.config if was_patched else None
+    patch_model(model, budget, page_size, config=config, **options)
+    try:
+        yield model
+    finally:
+        if previous is None:
+            unpatch_model(model)
+        else:
+            model._quest_state.config = previous

