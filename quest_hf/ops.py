@@ -1,4 +1,5 @@
 """Backend dispatch: the Triton kernels or their PyTorch twins, chosen per device and visible to the user."""
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -20,8 +21,22 @@ class Ops:
     sparse_decode_attention: Callable
 
 
+def _on_tensor_device(fn):
+    """Launch a Triton kernel on its first tensor's GPU: with a device_map, layers live on several GPUs
+    while the current device stays cuda:0, and Triton launches on the current device."""
+    @functools.wraps(fn)
+    def launch(first, *args, **kwargs):
+        if first.device.type == "cuda" and first.device.index != torch.cuda.current_device():
+            with torch.cuda.device(first.device):
+                return fn(first, *args, **kwargs)
+        return fn(first, *args, **kwargs)
+
+    return launch
+
+
 TORCH = Ops("torch", tk.append_kv_ref, tk.score_pages_ref, tk.topk_pages_ref, tk.sparse_decode_attention_ref)
-TRITON = Ops("triton", tk.append_kv, tk.score_pages, tk.topk_pages, tk.sparse_decode_attention)
+TRITON = Ops("triton", *(_on_tensor_device(f) for f in (tk.append_kv, tk.score_pages, tk.topk_pages,
+                                                          tk.sparse_decode_attention)))
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""End-to-end decode speed in plain `generate()`: HF dense paths vs Quest, same model, same inputs, same run.
+
+Random-weight models built from configs (speed does not depend on the values): Llama-2-7B shape (MHA),
+Llama-3-8B shape (GQA, 8 KV heads), and a tiny one for a CPU smoke run (`--shapes tiny`). For each
+prompt length and batch: prefill time, per-token decode latency and tokens/s over `--new-tokens`
+(from two generate calls of 1 and N new tokens, after warm-up), and peak memory, for
+  dense       HF DynamicCache + SDPA (generate's default)
+  static      HF static cache + generate's automatic compile (CUDA graphs)
+  quest       patch_model(budget) (growing QuestCache, Triton kernels on CUDA)
+
+    python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
+    python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from quest_hf import patch_model, unpatch_model  # noqa: E402
+
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000),
+}
+
+
+def build(shape: str, dtype, device, max_len: int):
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_len, 4096), attn_implementation="sdpa",
+                      eos_token_id=None, pad_token_id=0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(model, ids, new_tokens, device, **kw):
+    sync(device)
+    t = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=False, **kw)
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def measure(model, ids, new_tokens, device, **kw):
+    """(prefill s, per-token decode s, peak bytes, tokens) after one warm-up of each call shape."""
+    timed_generate(model, ids, new_tokens, device, **kw)  # warm-up (and compile, for the static path)
+    timed_generate(model, ids, 1, device, **kw)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t1, _ = timed_generate(model, ids, 1, device, **kw)
+    tn, out = timed_generate(model, ids, new_tokens, device, **kw)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return t1, (tn - t1) / (new_tokens - 1), peak, out[:, ids.shape[1]:]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["llama2-7b", "llama3-8b"], choices=list(SHAPES))
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536])
+    p.add_argument("--batches", type=int, nargs="+", default=[1])
+    p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--methods", nargs="+", default=["dense", "static", "quest"], choices=["dense", "static", "quest"])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks"), "e2e.json"))
+    args = p.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    rows = []
+    for shape in args.shapes:
+        model = build(shape, dtype, device, max(args.lengths) + args.new_tokens)
+        for L in args.lengths:
+            for B in args.batches:
+                ids = torch.randint(1, model.config.vocab_size, (B, L), device=device,
+                                    generator=torch.Generator(device).manual_seed(L))
+                runs = [(m, None) for m in args.methods if m != "quest"]
+                runs += [("quest", b) for b in args.budgets if "quest" in args.methods]
+                tokens = {}
+                for method, budget in runs:
+                    kw = {}
+                    if method == "static":
+                        kw = dict(cache_implementation="static")
+                    elif method == "dense":
+                        kw = dict(disable_compile=True)
+                    if method == "quest":
+                        patch_model(model, budget=budget)
+                    try:
+                        prefill, step, peak, out = measure(model, ids, args.new_tokens, device, **kw)
+                        err = None
+                    except Exception as e:  # a method that fails is reported, not hidden
+                        prefill = step = peak = float("nan")
+                        out, err = None, f"{type(e).__name__}: {e}"[:300]
+                    finally:
+                        if method == "quest":
+                            unpatch_model(model)
+                    tokens[(method, budget)] = out
+                    row = dict(shape=shape, length=L, batch=B, method=method, budget=budget, prefill_s=prefill,
+                               step_ms=step * 1e3, tokens_per_s=B / step if step == step else float("nan"),
+                               peak_gib=peak / 2**30, error=err)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    best_dense = {}
+    for r in rows:
+        if r["method"] in ("dense", "static") and r["step_ms"] == r["step_ms"]:
+            k = (r["shape"], r["length"], r["batch"])
+            best_dense[k] = min(best_dense.get(k, float("inf")), r["step_ms"])
+    lines = ["| shape | L | B | method | budget | prefill s | ms/token | tok/s | x fastest dense | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = best_dense.get((r["shape"], r["length"], r["batch"]))
+        ratio = ref / r["step_ms"] if ref and r["step_ms"] == r["step_ms"] else float("nan")
+        lines.append(f"| {r['shape']} | {r['length']} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
+                     f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
+                     f"{r['peak_gib']:.1f} |" + (f" {r['error']}" if r["error"] else ""))
+    md = "\n".join(lines)
+    print(md)
+    meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(argv or sys.argv[1:]),
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                torch=torch.__version__, transformers=transformers.__version__, dtype=args.dtype,
+                new_tokens=args.new_tokens)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    out.with_suffix(".md").write_text("# End-to-end decode\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items())
+                                      + "\n\n" + md + "\n")
+
+
+if __name__ == "__main__":
+    main()
