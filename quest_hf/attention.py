@@ -11,6 +11,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import QuestLayer
+from .static import StaticQuestLayer, static_decode_attention
 
 NAME = "quest"  # avoid "sdpa"/"flash"/"paged": transformers matches those substrings specially
 
@@ -75,14 +76,19 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
     cache = state.cache if state is not None else None
     layer = cache.layers[module.layer_idx] if cache is not None else None
     dense_kw = dict(dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
-    if layer is None or query.shape[2] != 1 or module.layer_idx < layer.config.dense_layers:
+    if layer is None or query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **dense_kw)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(layer, StaticQuestLayer):  # fixed shapes, device positions: graph-capturable
+        dense = module.layer_idx < layer.config.dense_layers
+        return static_decode_attention(layer, query[:, :, 0], scale, dense, sliding_window)[:, None], None
+    if module.layer_idx < layer.config.dense_layers:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **dense_kw)
     cfg, L = layer.config, layer.seq_len
     window_start = _window_start(L, sliding_window)
     if L - window_start <= cfg.budget:  # everything fits: exact dense attention, no selection
         return sdpa_attention_forward(module, query, key, value, attention_mask, **dense_kw)
     q = query[:, :, 0]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if cfg.policy == "oracle":
         return oracle_attention(layer, q, scale, window_start)[:, None], None
     page_ids = select_pages(layer, q, window_start)

@@ -94,9 +94,12 @@ class QuestLayer(CacheLayerMixin):
         old = self.capacity
         if needed <= old:
             return
-        S = self.page_size
-        cap = max(needed, old + old // 2, _MIN_CAPACITY)
-        cap = -(-cap // S) * S
+        self._allocate(max(needed, old + old // 2, _MIN_CAPACITY))
+
+    def _allocate(self, tokens: int) -> None:
+        """Move the buffers to a capacity of `tokens` rounded up to whole pages, keeping what is stored."""
+        S, old = self.page_size, self.capacity
+        cap = -(-tokens // S) * S
         B, H, _, D = self.keys.shape
         # Zero-filled so that no unwritten slot can leak NaN into a masked-out product.
         keys, values = self.keys.new_zeros(B, H, cap, D), self.values.new_zeros(B, H, cap, self.values.shape[-1])
@@ -199,7 +202,9 @@ class QuestCache(Cache):
     sparse selection (empty by default: no cost).
     """
 
-    def __init__(self, config: QuestConfig, num_layers: int):
+    def __init__(self, config: QuestConfig, num_layers: int, max_length: int | None = None):
+        from .static import DecodeGraph, StaticQuestLayer
+
         if not isinstance(config, QuestConfig):
             raise TypeError(f"QuestCache needs a QuestConfig, got {type(config).__name__}")
         if not isinstance(num_layers, int) or num_layers < 1:
@@ -207,22 +212,35 @@ class QuestCache(Cache):
         self.quest_config = config
         self._step = _Step()
         self.selection_hooks: list = []
-        super().__init__(layers=[QuestLayer(config, self._step) for _ in range(num_layers)])
+        self.graph = None
+        if config.cuda_graph:
+            if not isinstance(max_length, int) or max_length < 1:
+                raise ValueError("cuda_graph=True needs a static capacity: QuestCache(..., max_length=prompt + new "
+                                 f"tokens), got max_length={max_length!r}")
+            layers = [StaticQuestLayer(config, self._step, max_length) for _ in range(num_layers)]
+            self.graph = DecodeGraph()
+        else:
+            layers = [QuestLayer(config, self._step) for _ in range(num_layers)]
+        super().__init__(layers=layers)
 
     @classmethod
-    def from_model(cls, model) -> "QuestCache":
-        """A fresh cache with the configuration `patch_model` gave `model`."""
+    def from_model(cls, model, max_length: int | None = None) -> "QuestCache":
+        """A fresh cache with the configuration `patch_model` gave `model` (`max_length` for cuda_graph=True)."""
         state = getattr(model, "_quest_state", None)
         if state is None:
             raise ValueError("the model is not patched: call quest_hf.patch_model(model, ...) first, "
                              "or build QuestCache(QuestConfig(...), num_layers)")
-        return cls(state.config, state.num_layers)
+        return cls(state.config, state.num_layers, max_length)
 
     def copy(self, config: QuestConfig | None = None) -> "QuestCache":
         """An independent copy (tensors included), optionally under another config with the same page_size:
         one dense prefill can then be decoded under many budgets or policies."""
+        if self.graph is not None:
+            raise NotImplementedError("copy() of a cuda_graph QuestCache is not supported")
         new = _copy.deepcopy(self)
         if config is not None:
+            if config.cuda_graph:
+                raise ValueError("copy() makes growing caches; use cuda_graph=False in the copy's config")
             if config.page_size != self.quest_config.page_size:
                 raise ValueError(f"a copy keeps the pages: page_size must stay {self.quest_config.page_size}")
             new.quest_config = config

@@ -44,6 +44,15 @@ class _PatchState:
     handles: list = field(default_factory=list)
     attention_modules: list = field(default_factory=list)
     cache: QuestCache | None = None  # the cache of the forward in flight
+    shadowed: dict = field(default_factory=dict)  # instance attributes we replaced (accelerate sets `forward`)
+
+
+def _set_instance_attr(model, state: _PatchState, name: str, value):
+    state.shadowed[name] = model.__dict__.get(name, _MISSING)
+    setattr(model, name, value)
+
+
+_MISSING = object()
 
 
 def cache_arg_name(model) -> str:
@@ -82,6 +91,18 @@ def _after_forward(decoder, args, kwargs, output):
     decoder._quest_state.cache = None  # drop the reference: the cache lives as long as its user keeps it
 
 
+def _static_length(model, args, kwargs) -> int:
+    """Capacity for a cuda_graph cache: prompt length + new tokens, as generate will run."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if ids is None:
+        raise ValueError("cuda_graph=True: pass input_ids to generate so the static cache can be sized")
+    gen_cfg = kwargs.get("generation_config") or model.generation_config
+    if kwargs.get("max_length") is not None:
+        return kwargs["max_length"]
+    new = kwargs.get("max_new_tokens", gen_cfg.max_new_tokens)
+    return ids.shape[-1] + new if new is not None else gen_cfg.max_length
+
+
 def _wrap_generate(model, state: _PatchState):
     original = model.generate
 
@@ -90,10 +111,29 @@ def _wrap_generate(model, state: _PatchState):
         gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
         use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and use_cache is not False:
-            kwargs[state.cache_arg] = QuestCache(state.config, state.num_layers)
+            if state.config.cuda_graph and (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1) > 1:
+                raise ValueError("cuda_graph=True does not support beam search; patch with cuda_graph=False")
+            length = _static_length(model, args, kwargs) if state.config.cuda_graph else None
+            kwargs[state.cache_arg] = QuestCache(state.config, state.num_layers, length)
         return original(*args, **kwargs)
 
-    model.generate = generate
+    _set_instance_attr(model, state, "generate", generate)
+
+
+def _wrap_forward(model, state: _PatchState):
+    """Serve one-token steps over a cuda_graph QuestCache from its captured graph; all else as usual."""
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if (isinstance(cache, QuestCache) and cache.graph is not None and ids is not None and ids.shape[1] == 1
+                and cache.get_seq_length() > 0 and not args[1:] and kwargs.get("inputs_embeds") is None):
+            return cache.graph.step(original, cache, state.cache_arg, ids, kwargs.get("position_ids"))
+        return original(*args, **kwargs)
+
+    _set_instance_attr(model, state, "forward", forward)
 
 
 def patch_model(model, budget: int | None = None, page_size: int | None = None, *,
@@ -143,6 +183,7 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     model._quest_state = state
     if hasattr(model, "generate"):
         _wrap_generate(model, state)
+    _wrap_forward(model, state)
     logger.info(f"quest-hf: patched {model_type} ({state.num_layers} layers) with {config}")
     return model
 
@@ -157,7 +198,11 @@ def unpatch_model(model):
     for m in state.attention_modules:
         m.__dict__.pop("_quest_state", None)
     model.base_model.__dict__.pop("_quest_state", None)
-    model.__dict__.pop("generate", None)
+    for name, previous in state.shadowed.items():
+        if previous is _MISSING:
+            model.__dict__.pop(name, None)
+        else:
+            setattr(model, name, previous)
     model.set_attn_implementation(state.original_attn)
     return model
 

@@ -1,0 +1,65 @@
+"""cuda_graph=True: the fixed-shape decode step gives what the growing cache gives (CPU runs it uncaptured)."""
+import pytest
+import torch
+
+from quest_hf import QuestCache, QuestConfig, patch_model
+from quest_hf.static import StaticQuestLayer
+
+from .conftest import left_padded_batch, tiny_model
+
+
+def _gen(model, ids, mask, n=12):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("heads, kv_heads, mode, budget", [
+    pytest.param(8, 2, "union", 32, id="gqa4-union-sparse"),
+    pytest.param(6, 2, "max", 48, id="gqa3-max-sparse"),
+    pytest.param(4, 4, "union", 32, id="mha-sparse"),
+    pytest.param(8, 2, "union", 1024, id="gqa4-covering"),
+])
+def test_static_step_matches_growing_cache(heads, kv_heads, mode, budget):
+    model = tiny_model("llama", heads=heads, kv_heads=kv_heads)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    patch_model(model, budget=budget, gqa_mode=mode)
+    grow = _gen(model, ids, mask)
+    patch_model(model, budget=budget, gqa_mode=mode, cuda_graph=True)
+    static = _gen(model, ids, mask)
+    cache = static.past_key_values
+    assert all(isinstance(layer, StaticQuestLayer) for layer in cache.layers)
+    assert torch.equal(grow.sequences, static.sequences)
+    for a, b in zip(grow.scores, static.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    layer = cache.layers[-1]
+    n = ids.shape[1] + 11
+    assert layer.seq_len == n and int(layer.pos) == n and layer.max_length == -(-(ids.shape[1] + 12) // 16) * 16
+    assert layer.capacity == layer.max_length + 16 and not layer.valid[:, layer.max_length:].any()
+    # Memory is flat: nothing grew past the allocation made at prefill.
+    assert layer.keys.shape[2] == layer.capacity
+
+
+def test_static_cache_refuses_to_overflow_and_beams():
+    model = tiny_model("llama")
+    patch_model(model, budget=32, cuda_graph=True)
+    ids, mask = left_padded_batch()
+    cache = QuestCache.from_model(model, max_length=ids.shape[1] + 2)
+    with pytest.raises(ValueError, match="static QuestCache holds"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, past_key_values=cache)
+    with pytest.raises(ValueError, match="does not support beam search"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
+    with pytest.raises(ValueError, match="needs a static capacity"):
+        QuestCache.from_model(model)
+
+
+def test_static_sliding_window_is_refused_clearly():
+    model = tiny_model("mistral", sliding_window=24)
+    patch_model(model, budget=32, cuda_graph=True)
+    ids, mask = left_padded_batch()
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+
+
+def test_cuda_graph_needs_quest_policy():
+    with pytest.raises(ValueError, match="quest policy only"):
+        QuestConfig(cuda_graph=True, policy="oracle")
