@@ -2,6 +2,10 @@
 import importlib.util
 import os
 
+# Triton reads TRITON_INTERPRET when it is first imported, and the imports below import it (quest_hf ->
+# triton_kernels): tests/test_kernels.py needs the interpreter on CPU, so set it before them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

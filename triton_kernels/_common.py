@@ -1,4 +1,6 @@
-"""Shape/dtype checks shared by every launcher and reference (see `_contract.md`)."""
+"""Shape/dtype checks shared by every launcher and reference (see `_contract.md`), and Triton plumbing."""
+import os
+
 import torch
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,3 +32,41 @@ def check_query(q, num_kv_heads: int, head_dim: int, batch: int):
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"{q.shape[1]} query heads cannot be grouped over {num_kv_heads} KV heads")
     return q.shape[1] // num_kv_heads
+
+
+# Triton is optional: the references above must import (and run) where it is missing. The stub keeps the
+# kernels' `tl.constexpr` annotations and `@triton.jit` decorators valid at import; launchers call
+# `require_triton()` before touching them.
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    import types
+
+    triton = types.SimpleNamespace(jit=lambda fn=None, **kw: fn if fn is not None else (lambda f: f),
+                                   cdiv=lambda a, b: -(-a // b),
+                                   next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length())
+    tl = types.SimpleNamespace(constexpr=lambda value=None: value)
+    HAS_TRITON = False
+else:
+    HAS_TRITON = True
+
+
+def require_triton():
+    if not HAS_TRITON:
+        raise RuntimeError("the triton package is not installed: use the *_ref functions (backend='torch')")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors to fill; the interpreter (CPU) gets a small fixed number so tests cover several splits."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

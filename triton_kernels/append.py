@@ -4,7 +4,7 @@ Layouts follow `_contract.md`: caches `[B, H_kv, C, D]`, metadata `[B, H_kv, C /
 """
 import torch
 
-from ._common import check_cache
+from ._common import check_cache, next_pow2, require_triton, tl, triton
 
 __all__ = ["append_kv", "append_kv_ref"]
 
@@ -45,6 +45,80 @@ def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 
     kmax[:, :, p0:p1] = torch.where(ok, keys, -inf).amax(dim=3)
 
 
+@triton.jit
+def _append_kv_kernel(
+    kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, valid_ptr, kn_ptr, vn_ptr, vnew_ptr,
+    stride_kcb, stride_kch, stride_kcc, stride_kcd,
+    stride_vcb, stride_vch, stride_vcc, stride_vcd,
+    stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd,
+    stride_vab, stride_vac,
+    stride_knb, stride_knh, stride_knt, stride_knd,
+    stride_vnb, stride_vnh, stride_vnt, stride_vnd,
+    stride_wb, stride_wt,
+    H_KV, START, T,
+    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    i_b = i_bh // H_KV
+    i_h = i_bh % H_KV
+    i_page = START // PAGE + tl.program_id(1)
+    o_slot = i_page * PAGE + tl.arange(0, PAGE)
+    o_t = o_slot - START  # index into the new tokens
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    m_t = (o_t >= 0) & (o_t < T)
+    m_td = m_t[:, None] & m_d[None, :]
+    b_k = tl.load(kn_ptr + i_b * stride_knb + i_h * stride_knh + o_t[:, None] * stride_knt + o_d[None, :] * stride_knd,
+                  mask=m_td, other=0.0)
+    b_v = tl.load(vn_ptr + i_b * stride_vnb + i_h * stride_vnh + o_t[:, None] * stride_vnt + o_d[None, :] * stride_vnd,
+                  mask=m_td, other=0.0)
+    tl.store(kc_ptr + i_b * stride_kcb + i_h * stride_kch + o_slot[:, None] * stride_kcc + o_d[None, :] * stride_kcd,
+             b_k.to(kc_ptr.dtype.element_ty), mask=m_td)
+    tl.store(vc_ptr + i_b * stride_vcb + i_h * stride_vch + o_slot[:, None] * stride_vcc + o_d[None, :] * stride_vcd,
+             b_v.to(vc_ptr.dtype.element_ty), mask=m_td)
+    if USE_VALID_NEW:
+        m_ok = m_t & (tl.load(vnew_ptr + i_b * stride_wb + o_t * stride_wt, mask=m_t, other=0) != 0)
+    else:
+        m_ok = m_t
+    # valid[] is shared by the KV heads: head 0 writes it; no program reads the slots being written.
+    tl.store(valid_ptr + i_b * stride_vab + o_slot * stride_vac, m_ok.to(tl.uint8), mask=m_t & ((o_t * 0 + i_h) == 0))  # vector form, see m_old
+
+    b_kf = b_k.to(kc_ptr.dtype.element_ty).to(tl.float32)
+    b_lo = tl.min(tl.where(m_ok[:, None], b_kf, float("inf")), axis=0)
+    b_hi = tl.max(tl.where(m_ok[:, None], b_kf, float("-inf")), axis=0)
+    # Slots of this page before START were folded in by earlier appends, so their old min/max stand for them
+    # (a decode step reads 2 x D values, not the page). A page starting at or after START begins empty.
+    m_old = m_d & ((o_d * 0 + i_page * PAGE) < START)  # vector form: the interpreter rejects bool scalars in masks
+    p_lo = kmin_ptr + i_b * stride_nb + i_h * stride_nh + i_page * stride_np + o_d * stride_nd
+    p_hi = kmax_ptr + i_b * stride_xb + i_h * stride_xh + i_page * stride_xp + o_d * stride_xd
+    b_lo = tl.minimum(b_lo, tl.load(p_lo, mask=m_old, other=float("inf")).to(tl.float32))
+    b_hi = tl.maximum(b_hi, tl.load(p_hi, mask=m_old, other=float("-inf")).to(tl.float32))
+    tl.store(p_lo, b_lo.to(kmin_ptr.dtype.element_ty), mask=m_d)
+    tl.store(p_hi, b_hi.to(kmax_ptr.dtype.element_ty), mask=m_d)
+
+
 def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start: int) -> None:
-    """Triton twin of `append_kv_ref` (same signature, same in-place effect)."""
-    raise NotImplementedError("Triton append kernel not written yet")
+    """Triton twin of `append_kv_ref` (same signature, same in-place effect).
+
+    k_cache/v_cache `[B, H_kv, C, D]`, kmin/kmax `[B, H_kv, C // S, D]`, valid bool `[B, C]`, k_new/v_new
+    `[B, H_kv, T, D]`, valid_new bool `[B, T]` or None; any strides. One program per (b, KV head, touched
+    page). Unlike the reference it trusts the existing min/max of a page already partly filled before
+    `start` (true whenever every write went through these functions) instead of re-reading its keys.
+    """
+    require_triton()
+    B, H, C, D, T = _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start)
+    if T == 0:
+        return
+    S = C // kmin.shape[2]
+    pages = (start + T - 1) // S - start // S + 1
+    valid_u8 = valid.view(torch.uint8)
+    vnew = valid_new.view(torch.uint8) if valid_new is not None else valid_u8  # unused when None
+    _append_kv_kernel[(B * H, pages)](
+        k_cache, v_cache, kmin, kmax, valid_u8, k_new, v_new, vnew,
+        *k_cache.stride(), *v_cache.stride(), *kmin.stride(), *kmax.stride(), *valid_u8.stride(),
+        *k_new.stride(), *v_new.stride(), vnew.stride(0), vnew.stride(1),
+        H, start, T,
+        PAGE=S, D=D, BLOCK_D=max(16, next_pow2(D)), USE_VALID_NEW=valid_new is not None,
+        num_warps=4,
+    )

@@ -1,7 +1,7 @@
 """Decode attention over the chosen pages only (exact softmax over exactly their valid tokens)."""
 import torch
 
-from ._common import check_cache, check_query
+from ._common import check_cache, check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
@@ -33,9 +33,10 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     slots = page_ids.long()[..., None] * page_size + torch.arange(page_size, device=q.device)  # [B, H, K, S]
     slots = slots.reshape(B, H, K * page_size)
     ok = (page_ids.long()[..., None] >= 0).expand(B, H, K, page_size).reshape(B, H, -1)
-    ok &= (slots < seq_len) & (slots >= window_start)
+    # Out of place: with K == 1 the reshape above is a stride-0 view, which in-place ops reject.
+    ok = ok & (slots < seq_len) & (slots >= window_start)
     safe = slots.clamp(0, k_cache.shape[2] - 1)
-    ok &= torch.gather(valid[:, None].expand(B, H, -1), 2, safe)
+    ok = ok & torch.gather(valid[:, None].expand(B, H, -1), 2, safe)
     idx = safe[..., None].expand(-1, -1, -1, D)
     keys = torch.gather(k_cache, 2, idx).float()  # [B, H, N, D]
     vals = torch.gather(v_cache, 2, idx).float()
@@ -47,7 +48,162 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     return out.reshape(B, H * G, D).to(q.dtype)
 
 
+# Tokens per inner step (2 pages of 16): a 32 x 128 fp16 K tile and V tile are 16 KB in flight. Picked on an
+# H200 among 32..128 tokens, 2..8 warps, 2..8 programs per SM (NOTES-kernels.md).
+BLOCK_N = 32
+NUM_WARPS = 4
+# Programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM latency.
+PROGRAMS_PER_SM = 4
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_ib, stride_ih, stride_ik,
+    stride_vab, stride_vac,
+    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    i_split = tl.program_id(1)
+    i_b = i_bh // H_KV
+    i_h = i_bh % H_KV
+    o_g = tl.arange(0, G_PAD)
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = tl.arange(0, BLOCK_N)
+    m_g = o_g < G
+    m_d = o_d < D
+    # All G query heads of the KV head ride along: each K/V page is read from HBM once per group.
+    p_q = q_ptr + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
+    b_q = b_q.to(tl.float32) if USE_FP32_DOT else b_q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+    i_id0 = i_split * IDS_PER_SPLIT
+    i_id1 = tl.minimum(i_id0 + IDS_PER_SPLIT, N_IDS)
+    p_ids = ids_ptr + i_b * stride_ib + i_h * stride_ih
+    p_k = k_ptr + i_b * stride_kb + i_h * stride_kh
+    p_v = v_ptr + i_b * stride_vb + i_h * stride_vh
+    for i_t0 in range(i_id0 * PAGE, i_id1 * PAGE, BLOCK_N):
+        o_t = i_t0 + o_n  # position in this row's list of chosen tokens
+        i_id = o_t // PAGE
+        b_page = tl.load(p_ids + i_id * stride_ik, mask=i_id < i_id1, other=-1)
+        o_slot = b_page * PAGE + o_t % PAGE
+        # Fetch only slots that exist; validity and the window join the mask on the logits, so the
+        # K/V loads do not wait for the valid[] load.
+        m_n = (b_page >= 0) & (o_slot < SEQ_LEN)
+        b_ok = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_n, other=0)
+        m_tok = m_n & (b_ok != 0) & (o_slot >= WINDOW_START)
+        m_nd = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_k + o_slot[:, None] * stride_kc + o_d[None, :] * stride_kd, mask=m_nd, other=0.0)
+        b_v = tl.load(p_v + o_slot[:, None] * stride_vc + o_d[None, :] * stride_vd, mask=m_nd, other=0.0)
+        if USE_FP32_DOT:
+            b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        b_s = tl.where(m_tok[None, :], b_s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
+        # A tile with no live token keeps m at -inf; subtracting 0 instead avoids -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        b_p = tl.exp2(b_s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(b_p, axis=1)
+        if USE_FP32_DOT:
+            b_pv = tl.dot(b_p, b_v.to(tl.float32), input_precision="ieee")
+        else:
+            b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
+        acc = acc * alpha[:, None] + b_pv
+        m_i = m_new
+
+    o_row = (i_b * H_KV + i_h) * G + o_g  # flat (b, query head)
+    tl.store(m_ptr + o_row * NUM_SPLITS + i_split, m_i, mask=m_g)
+    tl.store(l_ptr + o_row * NUM_SPLITS + i_split, l_i, mask=m_g)
+    p_acc = acc_ptr + (o_row * NUM_SPLITS + i_split)[:, None] * D + o_d[None, :]
+    tl.store(p_acc, acc, mask=m_g[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _sparse_attn_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    H_Q, NUM_SPLITS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    i_row = tl.program_id(0).to(tl.int64)
+    i_b = i_row // H_Q
+    i_hq = i_row % H_Q
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_s = o_s < NUM_SPLITS
+    m_d = o_d < D
+    b_m = tl.load(m_ptr + i_row * NUM_SPLITS + o_s, mask=m_s, other=float("-inf"))
+    b_l = tl.load(l_ptr + i_row * NUM_SPLITS + o_s, mask=m_s, other=0.0)
+    b_acc = tl.load(acc_ptr + (i_row * NUM_SPLITS + o_s)[:, None] * D + o_d[None, :],
+                    mask=m_s[:, None] & m_d[None, :], other=0.0)
+    # Log-sum-exp merge of the splits' partial softmaxes (m is already in log2 units).
+    i_m = tl.max(b_m, axis=0)
+    i_m = tl.where(i_m == float("-inf"), 0.0, i_m)
+    b_w = tl.exp2(b_m - i_m)
+    i_l = tl.sum(b_l * b_w, axis=0)
+    b_o = tl.sum(b_acc * b_w[:, None], axis=0)
+    # A head whose chosen pages hold no live token gets 0, as in the reference.
+    b_o = tl.where(i_l > 0, b_o / tl.where(i_l > 0, i_l, 1.0), 0.0)
+    tl.store(out_ptr + i_b * stride_ob + i_hq * stride_oh + o_d * stride_od,
+             b_o.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int]:
+    """Split each row's page list so that about PROGRAMS_PER_SM programs run per SM; return (splits, ids each)."""
+    ids_per_step = max(1, BLOCK_N // page_size)
+    steps = max(1, triton.cdiv(n_ids, ids_per_step))
+    splits = max(1, min(steps, triton.cdiv(PROGRAMS_PER_SM * num_sms(device), rows)))
+    ids_each = triton.cdiv(steps, splits) * ids_per_step
+    return max(1, triton.cdiv(max(n_ids, 1), ids_each)), ids_each
+
+
 def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
                             scale: float, window_start: int = 0):
-    """Triton twin of `sparse_decode_attention_ref`."""
-    raise NotImplementedError("Triton sparse attention kernel not written yet")
+    """Triton twin of `sparse_decode_attention_ref` (flash-decoding over the chosen pages).
+
+    q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
+    page_ids int32 `[B, H_kv, K]`, -1 ignored wherever it sits; valid bool `[B, C]`. Returns a fresh
+    `[B, H_q, D]` in q's dtype. Workspace: fp32 partials of `B * H_q * splits * (D + 2)` floats per call.
+    """
+    require_triton()
+    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start)
+    K = page_ids.shape[2]
+    splits, ids_each = _num_splits(q.device, B * H, K, page_size)
+    m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(B * H * G, splits, D, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H * G, D, dtype=q.dtype, device=q.device)
+    valid_u8 = valid.view(torch.uint8)
+    block_d = max(16, next_pow2(D))
+    _sparse_attn_split_kernel[(B * H, splits)](
+        q, k_cache, v_cache, page_ids, valid_u8, m_part, l_part, acc_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        page_ids.stride(0), page_ids.stride(1), page_ids.stride(2),
+        valid_u8.stride(0), valid_u8.stride(1),
+        H, K, ids_each, splits, seq_len, window_start, scale * LOG2E,
+        G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N,
+        # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
+        # interpreted bf16 takes the fp32 path too.
+        USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
+        num_warps=NUM_WARPS,
+    )
+    _sparse_attn_merge_kernel[(B * H * G,)](
+        m_part, l_part, acc_part, out,
+        out.stride(0), out.stride(1), out.stride(2),
+        H * G, splits,
+        D=D, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
+    )
+    return out

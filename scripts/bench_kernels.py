@@ -1,0 +1,342 @@
+"""Benchmark the Quest decode step (score -> Top-K -> sparse attention) against dense SDPA on one GPU.
+
+Per configuration it times each stage and the whole step (plain launches and one CUDA-graph replay), dense
+`scaled_dot_product_attention` over the full cache on the same q/K/V, and relates the Quest step to the
+bytes it must read (all pages' kmin/kmax + the chosen pages' K/V + the fp32 scores written and read back)
+over the device-to-device copy bandwidth measured in the same run.
+
+    PYTHONPATH=. python scripts/bench_kernels.py --quick        # a subset
+    PYTHONPATH=. python scripts/bench_kernels.py --check        # launchers vs references first
+    PYTHONPATH=. python scripts/bench_kernels.py --tune         # a few block sizes at 32K
+
+Writes bench_kernels.json and bench_kernels.md under $OUT if set, else benchmarks/.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+import triton_kernels as tk
+from triton_kernels import score as score_mod
+from triton_kernels import sparse_attention as attn_mod
+from triton_kernels import topk as topk_mod
+
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (H_q, H_kv, D)
+PAGE = 16
+L2_BYTES = 60e6
+DEV = "cuda"
+
+
+def bench(fn, warmup=3, rep=12):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
+
+
+def copy_bandwidth():
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x), rep=100)
+    return 2 * n / (t * 1e-6)  # bytes/s, read + written
+
+
+def make_layer(B, H, L, D, dtype, seed):
+    """A full layer cache of L tokens (every page filled, all valid), metadata reduced from the keys."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    kc = torch.randn(B, H, L, D, device=DEV, dtype=dtype, generator=g)
+    vc = torch.randn(B, H, L, D, device=DEV, dtype=dtype, generator=g)
+    pages = kc.view(B, H, L // PAGE, PAGE, D)
+    kmin, kmax = pages.amin(3), pages.amax(3)
+    valid = torch.ones(B, L, dtype=torch.bool, device=DEV)
+    return kc, vc, kmin, kmax, valid
+
+
+class Step:
+    """One Quest decode step on one input set; mode 'union' (reduce none + union) or 'max'."""
+
+    def __init__(self, layer, q, k, mode):
+        self.kc, self.vc, self.kmin, self.kmax, self.valid = layer
+        self.q, self.k, self.mode = q, k, mode
+        self.L = self.kc.shape[2]
+        H_kv, H_q = self.kc.shape[1], q.shape[1]
+        self.G = H_q // H_kv
+        self.reduce = "none" if mode == "union" else "max"
+        self.group = self.G if mode == "union" else 1
+        self.scale = q.shape[-1] ** -0.5
+        self.scores = self.score()
+        self.ids = self.topk()
+
+    def score(self):
+        return tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce)
+
+    def topk(self):
+        return tk.topk_pages(self.scores, self.k, self.group)
+
+    def attn(self):
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.L, PAGE, self.scale)
+
+    def full(self):
+        s = tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce)
+        ids = tk.topk_pages(s, self.k, self.group)
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale)
+
+    def graph(self, stage="full"):
+        """A CUDA graph of one stage (or the whole step): replays time the GPU work without launch overhead."""
+        fn = getattr(self, stage)
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.out = fn()
+        return g
+
+    def bytes_read(self):
+        B, H, P, D = self.kmin.shape
+        es = self.kmin.element_size()
+        meta = 2 * B * H * P * D * es
+        scores = 2 * self.scores.numel() * 4  # written by score, read by topk
+        chosen = int((self.ids >= 0).sum().item())
+        kv = chosen * PAGE * D * es * 2
+        return meta + scores + kv, chosen
+
+
+def graph_time(steps, stage):
+    graphs = [s.graph(stage) for s in steps]
+    t = bench(rotating([g.replay for g in graphs]))
+    del graphs
+    return t
+
+
+def rotating(fns):
+    state = {"i": 0}
+
+    def call():
+        state["i"] += 1
+        return fns[state["i"] % len(fns)]()
+
+    return call
+
+
+def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
+    H_q, H_kv, D = SHAPES[shape]
+    per_set = 2 * B * H_kv * L * D * torch.tensor([], dtype=dtype).element_size()
+    n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / per_set)))
+    layers = [make_layer(B, H_kv, L, D, dtype, seed) for seed in range(n_sets)]
+    qs = [torch.randn(B, H_q, D, device=DEV, dtype=dtype) for _ in range(n_sets)]
+    key = (shape, L, B, dtype)
+    if key not in sdpa_cache:
+        import torch.nn.functional as F
+
+        def sdpa(i):
+            kc, vc = layers[i][0], layers[i][1]
+            return lambda: F.scaled_dot_product_attention(qs[i][:, :, None], kc, vc, enable_gqa=H_q != H_kv)
+
+        sdpa_cache[key] = bench(rotating([sdpa(i) for i in range(n_sets)]))
+    t_sdpa = sdpa_cache[key]
+    rows = []
+    k = budget // PAGE
+    for mode in modes:
+        if mode == "max" and H_q == H_kv:
+            continue  # group of one: identical to union
+        steps = [Step(layers[i], qs[i], k, mode) for i in range(n_sets)]
+        t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
+        t_total = bench(rotating([s.full for s in steps]))
+        t_graph = graph_time(steps, "full")
+        nbytes, chosen = steps[0].bytes_read()
+        limit_us = nbytes / bw * 1e6
+        best = min(t_total, t_graph)
+        rows.append(dict(
+            shape=shape, L=L, B=B, budget=budget, dtype=str(dtype).replace("torch.", ""), mode=mode,
+            score_us=t_score, topk_us=t_topk, attn_us=t_attn, total_us=t_total, graph_us=t_graph,
+            sdpa_us=t_sdpa, speedup_plain=t_sdpa / t_total, speedup_graph=t_sdpa / t_graph,
+            bytes=nbytes, chosen_pages=chosen, achieved_GBps=nbytes / (best * 1e-6) / 1e9,
+            byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets,
+        ))
+        print(fmt_row(rows[-1]), flush=True)
+        del steps
+    del layers, qs
+    torch.cuda.empty_cache()
+    return rows
+
+
+HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us | SDPA us "
+          "| x (plain) | x (graph) | GB/s | limit us | frac |\n|" + "---|" * 17)
+
+
+def fmt_row(r):
+    return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
+            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} | {r['sdpa_us']:.1f} "
+            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} | {r['byte_limit_us']:.1f} "
+            f"| {r['frac_of_limit']:.2f} |")
+
+
+def check():
+    """Launchers vs references on random data at real sizes (CUDA, fp16/bf16); raises on mismatch."""
+    torch.manual_seed(0)
+    report = []
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run under TRITON_INTERPRET=1
+    sizes = [((32, 8, 128), 32768, 1), ((32, 32, 128), 8192 + 37, 2), ((28, 4, 64), 4097, 3)]
+    if dev == "cpu":
+        sizes = [((8, 2, 128), 1000, 1), ((4, 4, 64), 300 + 37, 2), ((6, 2, 64), 97, 3)]
+    for dtype in (torch.float16, torch.bfloat16):
+        for (H_q, H_kv, D), L, B in sizes:
+            C = -(-L // 64) * 64
+            kc = torch.zeros(B, H_kv, C, D, device=dev, dtype=dtype)
+            vc = torch.zeros_like(kc)
+            kmin = torch.full((B, H_kv, C // PAGE, D), float("inf"), device=dev, dtype=dtype)
+            kmax = -kmin
+            valid = torch.zeros(B, C, dtype=torch.bool, device=dev)
+            ref_cache = [t.clone() for t in (kc, vc, kmin, kmax, valid)]
+            T0 = L - 3
+            kn = torch.randn(B, H_kv, T0, D, device=dev, dtype=dtype)
+            vn = torch.randn_like(kn)
+            vnew = torch.ones(B, T0, dtype=torch.bool, device=dev)
+            vnew[0, : T0 // 3] = False  # left padding in row 0
+            tk.append_kv(kc, vc, kmin, kmax, valid, kn, vn, vnew, 0)
+            tk.append_kv_ref(*ref_cache, kn, vn, vnew, 0)
+            for t in range(T0, L):
+                kn = torch.randn(B, H_kv, 1, D, device=dev, dtype=dtype)
+                vn = torch.randn_like(kn)
+                tk.append_kv(kc, vc, kmin, kmax, valid, kn, vn, None, t)
+                tk.append_kv_ref(*ref_cache, kn, vn, None, t)
+            for a, b in zip((kc, vc, kmin, kmax, valid), ref_cache):
+                assert torch.equal(a, b), "append mismatch"
+            q = torch.randn(B, H_q, D, device=dev, dtype=dtype)
+            G = H_q // H_kv
+            for reduce, group in (("none", G), ("max", 1), ("sum", 1)):
+                ws = L // 5
+                s = tk.score_pages(q, kmin, kmax, L, PAGE, ws, reduce)
+                s_ref = tk.score_pages_ref(q, kmin, kmax, L, PAGE, ws, reduce)
+                fin = s_ref.isfinite()
+                assert torch.equal(fin, s.isfinite()) and torch.equal(s[~fin], s_ref[~fin]), "score inf mask"
+                err = ((s - s_ref)[fin].abs().max() / s_ref[fin].abs().max()).item()
+                assert err < 1e-5, f"score err {err}"
+                for k in (1, 64, 128, 100000):
+                    ids = tk.topk_pages(s_ref, k, group)
+                    ids_ref = tk.topk_pages_ref(s_ref, k, group)
+                    assert ids.shape == ids_ref.shape and torch.equal((ids < 0).sum(-1), (ids_ref < 0).sum(-1)), "topk count"
+                    srt = ids.clone()
+                    srt[srt < 0] = 1 << 30
+                    assert torch.equal(srt.sort(-1).values, srt), "topk not ascending"
+                    if not torch.equal(ids, ids_ref):  # ties: compare multisets of chosen scores per row
+                        assert group == 1, "union differs (ties are unlikely on random data)"
+                        va = torch.where(ids >= 0, s_ref.gather(-1, ids.clamp(min=0).long()), 0.0).sort(-1).values
+                        vb = torch.where(ids_ref >= 0, s_ref.gather(-1, ids_ref.clamp(min=0).long()), 0.0).sort(-1).values
+                        assert torch.equal(va, vb), "topk chosen scores differ"
+                if reduce == "none":
+                    ids_ref = tk.topk_pages_ref(s_ref, 128, group)
+                    o = tk.sparse_decode_attention(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
+                    o_ref = tk.sparse_decode_attention_ref(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
+                    rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+                    assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B}"
+                    report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: attn rel err {rel:.2e}, score err {err:.1e}")
+            del kc, vc, kmin, kmax, valid, ref_cache
+    for line in report:
+        print("check:", line)
+    print("check: all launchers match their references", flush=True)
+
+
+TUNE_SPACE = {
+    "score": (score_mod, ("BLOCK_P", "NUM_WARPS"), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (32, 2)]),
+    "topk": (topk_mod, ("RADIX_BITS", "NUM_WARPS", "MAX_BLOCK_P"),
+             [(1, 8, 2048), (2, 8, 2048), (4, 8, 2048), (2, 4, 2048), (2, 16, 2048), (2, 8, 1024), (4, 16, 2048),
+              (1, 4, 2048)]),
+    "attn": (attn_mod, ("BLOCK_N", "NUM_WARPS", "PROGRAMS_PER_SM"),
+             [(32, 4, 4), (64, 4, 4), (64, 4, 8), (64, 8, 4), (128, 8, 4), (64, 4, 2), (32, 2, 8), (32, 4, 8)]),
+}
+
+
+def tune(bw):
+    """Time each stage's candidate block sizes (CUDA-graph replays) on llama2 union / llama3 max at 32K and
+    128K, batch 1, fp16; keep the candidate with the lowest summed time in the module globals."""
+    cases = []
+    for shape, mode in (("llama2-7b", "union"), ("llama3-8b", "max")):
+        H_q, H_kv, D = SHAPES[shape]
+        for L in (32768, 131072):
+            layer = make_layer(1, H_kv, L, D, torch.float16, 0)
+            q = torch.randn(1, H_q, D, device=DEV, dtype=torch.float16)
+            cases.append((f"{shape}/{mode}/{L}", Step(layer, q, 128, mode)))
+    results = {}
+    for stage, (mod, names, cands) in TUNE_SPACE.items():
+        default = tuple(getattr(mod, n) for n in names)
+        best = None
+        for cand in cands:
+            for n, v in zip(names, cand):
+                setattr(mod, n, v)
+            try:
+                times = {name: graph_time([st], stage) for name, st in cases}
+            except Exception as e:  # a candidate that does not compile is skipped, not fatal
+                print(f"tune: {stage} {cand} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            tot = sum(times.values())
+            results.setdefault(stage, []).append(dict(config=dict(zip(names, cand)), us=times, total_us=tot))
+            print(f"tune: {stage} {dict(zip(names, cand))} total {tot:.1f} us {times}", flush=True)
+            if best is None or tot < best[0]:
+                best = (tot, cand)
+        chosen = best[1] if best else default
+        for n, v in zip(names, chosen):
+            setattr(mod, n, v)
+        results[stage + "_chosen"] = dict(zip(names, chosen))
+        print(f"tune: {stage} chosen {dict(zip(names, chosen))}", flush=True)
+    del cases
+    torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="32K/128K, batch 1, budget 2048, fp16 only")
+    ap.add_argument("--check", action="store_true", help="compare launchers with references first")
+    ap.add_argument("--tune", action="store_true", help="pick block sizes at 32K/128K first (CUDA graphs)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the benchmark sweep")
+    ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
+    args = ap.parse_args(argv)
+    import triton
+
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
+    t0 = time.time()
+    if args.check:
+        check()
+        meta["check_s"] = time.time() - t0
+    bw = copy_bandwidth()
+    meta["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    meta["tune"] = tune(bw) if args.tune else None
+    rows, sdpa_cache = [], {}
+    if not args.no_sweep:
+        print(HEADER, flush=True)
+        if args.quick:
+            grid = [(s, L, 1, 2048, torch.float16) for s in SHAPES for L in (32768, 131072)]
+        else:
+            grid = [(s, L, B, bud, dt) for dt in (torch.float16, torch.bfloat16) for s in SHAPES for B in (1, 8)
+                    for L in args.lengths for bud in (512, 2048, 4096)
+                    if args.full or dt == torch.float16 or bud == 2048]
+        for shape, L, B, bud, dt in grid:
+            rows += run_config(shape, L, B, bud, dt, ("union", "max"), bw, sdpa_cache)
+            write(out_dir, meta, rows)
+    meta["wall_s"] = time.time() - t0
+    write(out_dir, meta, rows)
+    print(f"done in {meta['wall_s']:.0f} s", flush=True)
+
+
+def write(out_dir, meta, rows):
+    with open(os.path.join(out_dir, "bench_kernels.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out_dir, "bench_kernels.md"), "w") as f:
+        f.write(f"# Quest kernels vs dense SDPA\n\n{json.dumps({k: v for k, v in meta.items() if k != 'tune'})}\n\n")
+        f.write("score/topk/attn/graph: CUDA-graph replays; total: plain launches from Python.\n\n")
+        f.write(HEADER + "\n" + "\n".join(fmt_row(r) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Triton launchers vs their PyTorch reference twins (CPU, TRITON_INTERPRET=1, small odd sizes)."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+import triton_kernels as tk  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+# (atol, rtol) on outputs in the given dtype; the kernels do fp32 math, so this is output rounding plus, for
+# attention, the probabilities cast to the K/V dtype before the P.V product.
+TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (2e-2, 2e-2)}
+
+
+def assert_close(actual, expected, dtype=None):
+    dtype = dtype or expected.dtype
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert not actual.isnan().any(), "NaN in the kernel's output"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=False)
+
+
+def empty_layer(B, H, C, D, S, dtype, g):
+    """A layer with garbage (never zero) K/V and metadata in unwritten slots, as torch.empty would leave."""
+    kc = torch.randn(B, H, C, D, generator=g).to(dtype) * 100
+    vc = torch.randn(B, H, C, D, generator=g).to(dtype) * 100
+    kmin = torch.randn(B, H, C // S, D, generator=g).to(dtype)
+    kmax = torch.randn(B, H, C // S, D, generator=g).to(dtype)
+    valid = torch.zeros(B, C, dtype=torch.bool)
+    return [t.to(DEV) for t in (kc, vc, kmin, kmax, valid)]
+
+
+def recompute_meta(kc, valid, S, filled):
+    B, H, C, D = kc.shape
+    keys = kc.float().reshape(B, H, C // S, S, D)
+    ok = (valid & (torch.arange(C, device=kc.device) < filled)).reshape(B, 1, C // S, S, 1)
+    lo = torch.where(ok, keys, float("inf")).amin(3).to(kc.dtype)
+    hi = torch.where(ok, keys, float("-inf")).amax(3).to(kc.dtype)
+    return lo, hi
+
+
+def filled_layer(B, H, D, S, L, dtype, seed, pad=(), C=None):
+    """Prefill L tokens through append_kv_ref; row b has pad[b] leading padding tokens."""
+    g = torch.Generator().manual_seed(seed)
+    C = C or -(-L // S) * S + S
+    layer = empty_layer(B, H, C, D, S, dtype, g)
+    kn = torch.randn(B, H, L, D, generator=g).to(dtype).to(DEV)
+    vn = torch.randn(B, H, L, D, generator=g).to(dtype).to(DEV)
+    vnew = torch.ones(B, L, dtype=torch.bool, device=DEV)
+    for b, n in enumerate(pad):
+        vnew[b, :n] = False
+    tk.append_kv_ref(*layer, kn, vn, vnew, 0)
+    return layer
+
+
+# ----------------------------------------------------------------------------------------------- append
+APPEND_CASES = [
+    # B, H, D, S, prefill T, decode steps, dtype, left padding per row
+    pytest.param(1, 1, 64, 16, 1, 3, F32, (), id="len1-fp32"),
+    pytest.param(2, 3, 64, 16, 15, 2, F16, (0, 7), id="len15-pad-fp16"),
+    pytest.param(2, 2, 128, 16, 17, 17, BF16, (3, 16), id="len17-pad-wholepage-bf16"),
+    pytest.param(3, 2, 64, 8, 45, 20, F16, (0, 9, 44), id="len45-S8-3rows-fp16"),
+    pytest.param(1, 2, 64, 32, 70, 1, F32, (), id="len70-S32-fp32"),
+]
+
+
+@pytest.mark.parametrize("B,H,D,S,T,steps,dtype,pad", APPEND_CASES)
+def test_append_matches_reference_and_recomputed_metadata(B, H, D, S, T, steps, dtype, pad):
+    g = torch.Generator().manual_seed(T)
+    C = -(-(T + steps) // S) * S + S
+    mine = empty_layer(B, H, C, D, S, dtype, g)
+    ref = [t.clone() for t in mine]
+    kn = torch.randn(B, H, T, D, generator=g).to(dtype).to(DEV)
+    vn = torch.randn(B, H, T, D, generator=g).to(dtype).to(DEV)
+    vnew = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    for b, n in enumerate(pad):
+        vnew[b, :n] = False
+    # A chunked prefill (second chunk starts mid-page), then single-token decode steps.
+    cut = T // 2
+    for lo, hi in ((0, cut), (cut, T)):
+        tk.append_kv(*mine, kn[:, :, lo:hi], vn[:, :, lo:hi], vnew[:, lo:hi], lo)
+        tk.append_kv_ref(*ref, kn[:, :, lo:hi], vn[:, :, lo:hi], vnew[:, lo:hi], lo)
+    for t in range(T, T + steps):
+        k1 = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEV)
+        v1 = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEV)
+        tk.append_kv(*mine, k1, v1, None, t)
+        tk.append_kv_ref(*ref, k1, v1, None, t)
+    for name, a, b in zip(("k_cache", "v_cache", "kmin", "kmax", "valid"), mine, ref):
+        assert torch.equal(a, b), f"{name} differs from the reference"
+    kc, _, kmin, kmax, valid = mine
+    filled = T + steps
+    P = -(-filled // S)
+    lo, hi = recompute_meta(kc, valid, S, filled)
+    assert torch.equal(kmin[:, :, :P], lo[:, :, :P]) and torch.equal(kmax[:, :, :P], hi[:, :, :P])
+    # Padding never enters min/max: a row padded over a whole page keeps that page empty.
+    for b, n in enumerate(pad):
+        for p in range(n // S):
+            assert torch.isinf(kmin[b, :, p]).all() and (kmin[b, :, p] > 0).all() and (kmax[b, :, p] < 0).all()
+
+
+# ------------------------------------------------------------------------------------------------ score
+SCORE_CASES = [
+    # B, H_q, H_kv, D, S, L, window_start, reduce, dtype, padding
+    pytest.param(1, 1, 1, 64, 16, 1, 0, "none", F32, (), id="len1"),
+    pytest.param(2, 3, 1, 64, 16, 15, 0, "none", F16, (0, 4), id="len15-G3"),
+    pytest.param(2, 4, 1, 128, 16, 17, 5, "max", BF16, (0, 16), id="len17-G4-max-emptypage"),
+    pytest.param(2, 8, 1, 64, 16, 100, 33, "sum", F16, (40, 0), id="len100-G8-sum-window"),
+    pytest.param(1, 6, 2, 128, 16, 4097, 1000, "none", F16, (), id="len4097-G3-window"),
+    pytest.param(3, 4, 4, 64, 8, 77, 0, "max", F32, (0, 20, 76), id="len77-G1-S8-max"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,L,ws,reduce,dtype,pad", SCORE_CASES)
+def test_score_matches_reference(B, Hq, Hkv, D, S, L, ws, reduce, dtype, pad):
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L, pad=pad)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+    got = tk.score_pages(q, kmin, kmax, L, S, ws, reduce)
+    want = tk.score_pages_ref(q, kmin, kmax, L, S, ws, reduce)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    inf = ~want.isfinite()
+    assert torch.equal(got[inf], want[inf]) and got[~inf].isfinite().all()
+    if (ws >= S or any(n >= S for n in pad)) and L > S:  # the case holds dead pages: make sure they are tested
+        assert (want == float("-inf")).any()
+    assert_close(got[~inf], want[~inf], F32)
+
+
+# ------------------------------------------------------------------------------------------------- topk
+def random_scores(B, R, P, seed, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(B, R, P, generator=g) * 10
+    if ties:
+        s = s.round()  # many equal scores, the k-th among them
+    # Dead pages are dead for every query head (as empty/out-of-window pages are), so the union cannot hide
+    # a wrongly chosen one.
+    s.masked_fill_(torch.rand(B, 1, P, generator=g) < 0.2, float("-inf"))
+    s[..., -1] = float("inf")
+    return s.to(DEV)
+
+
+TOPK_CASES = [
+    # B, R, P, k, group, ties
+    pytest.param(1, 1, 1, 1, 1, False, id="P1"),
+    pytest.param(2, 3, 15, 4, 1, False, id="P15-k4"),
+    pytest.param(2, 4, 17, 100, 4, False, id="P17-k>=P-union4"),
+    pytest.param(1, 6, 300, 20, 3, False, id="P300-union3"),
+    pytest.param(2, 8, 700, 33, 8, False, id="P700-union8-radix2"),
+    pytest.param(1, 2, 3000, 128, 1, False, id="P3000-tiled"),
+    pytest.param(2, 3, 257, 40, 1, True, id="P257-ties"),
+    pytest.param(1, 2, 2500, 300, 1, True, id="P2500-ties-tiled"),
+]
+
+
+@pytest.mark.parametrize("B,R,P,k,group,ties", TOPK_CASES)
+def test_topk_matches_reference(B, R, P, k, group, ties):
+    s = random_scores(B, R, P, seed=P + k, ties=ties)
+    got = tk.topk_pages(s, k, group)
+    want = tk.topk_pages_ref(s, k, group)
+    assert got.dtype == torch.int32 and got.shape == want.shape == (B, R // group, min(group * k, P))
+    live = got >= 0
+    # Valid ids first, strictly ascending, then only -1.
+    assert torch.equal(live, live.cummin(-1).values), "-1 before a chosen id"
+    ids = got.long().clamp(min=0)
+    assert ((ids[..., 1:] > ids[..., :-1]) | ~live[..., 1:]).all(), "ids not strictly ascending"
+    rows = s.view(B, R // group, group, P)
+    if not ties:
+        assert torch.equal(got, want)
+        return
+    assert group == 1
+    # Ties may be broken any way: same -1 count, and the same multiset of chosen scores per row.
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    pick = lambda x: torch.where(x >= 0, rows[:, :, 0].gather(-1, x.long().clamp(min=0)), 0.0).sort(-1).values
+    assert torch.equal(pick(got), pick(want))
+    assert not torch.isneginf(rows[:, :, 0].gather(-1, ids))[live].any(), "a -inf page was chosen"
+
+
+def test_topk_counts_exactly_k_per_row_before_the_union():
+    # Union of rows with disjoint preferences: every row contributes exactly k pages.
+    P, k = 64, 5
+    s = torch.full((1, 4, P), -1.0)
+    for r in range(4):
+        s[0, r, r * 10:r * 10 + 8] = torch.arange(8, 0, -1).float()
+    s[..., -1] = float("inf")
+    got = tk.topk_pages(s.to(DEV), k, 4)[0, 0]
+    expect = sorted({r * 10 + i for r in range(4) for i in range(k - 1)} | {P - 1})
+    assert got[got >= 0].tolist() == expect and (got < 0).sum().item() == 4 * k - len(expect)
+
+
+# -------------------------------------------------------------------------------------------- attention
+ATTN_CASES = [
+    # B, H_q, H_kv, D, S, L, window_start, k pages, dtype, padding
+    pytest.param(1, 1, 1, 64, 16, 1, 0, 4, F32, (), id="len1"),
+    pytest.param(2, 3, 1, 64, 16, 15, 0, 2, F16, (0, 6), id="len15-G3-pad"),
+    pytest.param(2, 4, 1, 128, 16, 17, 3, 1, BF16, (0, 16), id="len17-G4-window-k1"),
+    pytest.param(2, 8, 1, 64, 16, 100, 20, 3, F16, (37, 0), id="len100-G8"),
+    pytest.param(1, 8, 2, 128, 16, 4097, 900, 24, F16, (), id="len4097-G4-window"),
+    pytest.param(3, 4, 4, 64, 8, 77, 0, 100, F32, (0, 20, 76), id="len77-G1-k>=P"),
+    pytest.param(1, 2, 2, 128, 32, 200, 0, 3, BF16, (), id="len200-S32"),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,L,ws,k,dtype,pad", ATTN_CASES)
+def test_sparse_attention_matches_reference(B, Hq, Hkv, D, S, L, ws, k, dtype, pad):
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L + 1, pad=pad)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
+    scores = tk.score_pages_ref(q, kmin, kmax, L, S, ws, "none")
+    ids = tk.topk_pages_ref(scores, k, Hq // Hkv)
+    scale = D ** -0.5
+    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, scale, ws)
+    want = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, scale, ws)
+    assert_close(got, want)
+
+
+def test_sparse_attention_masks_minus_one_anywhere_and_empty_rows_give_zero():
+    B, Hq, Hkv, D, S, L = 2, 4, 2, 64, 16, 90
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, F16, seed=5, pad=(0, 50))
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(3)).to(F16).to(DEV)
+    ids = torch.tensor([[[5, -1, 0, 3, -1], [-1, -1, -1, -1, -1]],
+                        [[0, 1, 2, -1, 5], [4, -1, -1, 1, 0]]], dtype=torch.int32, device=DEV)
+    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, 0.125, 0)
+    want = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, 0.125, 0)
+    assert_close(got, want)
+    assert (got[0, 2:] == 0).all()  # KV head 1 of row 0 chose nothing
+    assert (got[1, :2] != 0).any()  # row 1 head 0: pages 0-2 are padding only, page 5 is live
+
+
+def test_quest_step_end_to_end_matches_reference():
+    B, Hq, Hkv, D, S, L, k = 2, 6, 2, 64, 16, 333, 5
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, F16, seed=9, pad=(0, 100))
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(4)).to(F16).to(DEV)
+    for reduce, group in (("none", 3), ("max", 1), ("sum", 1)):
+        s = tk.score_pages(q, kmin, kmax, L, S, 0, reduce)
+        ids = tk.topk_pages(s, k, group)
+        out = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, 0.125, 0)
+        s_ref = tk.score_pages_ref(q, kmin, kmax, L, S, 0, reduce)
+        ids_ref = tk.topk_pages_ref(s_ref, k, group)
+        assert torch.equal(ids, ids_ref)
+        assert_close(out, tk.sparse_decode_attention_ref(q, kc, vc, ids_ref, valid, L, S, 0.125, 0))
