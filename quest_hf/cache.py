@@ -11,6 +11,7 @@ Storage per layer (see `triton_kernels/_contract.md`):
 from __future__ import annotations
 
 import copy as _copy
+from dataclasses import replace as _replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -213,6 +214,9 @@ class QuestCache(Cache):
         self._step = _Step()
         self.selection_hooks: list = []
         self.graph = None
+        if config.cuda_graph == "auto":  # a cache built by hand: static when given a length
+            config = _replace(config, cuda_graph=max_length is not None and config.policy == "quest")
+            self.quest_config = config
         if config.cuda_graph:
             if not isinstance(max_length, int) or max_length < 1:
                 raise ValueError("cuda_graph=True needs a static capacity: QuestCache(..., max_length=prompt + new "
@@ -239,8 +243,7 @@ class QuestCache(Cache):
             raise NotImplementedError("copy() of a cuda_graph QuestCache is not supported")
         new = _copy.deepcopy(self)
         if config is not None:
-            if config.cuda_graph:
-                raise ValueError("copy() makes growing caches; use cuda_graph=False in the copy's config")
+            config = _replace(config, cuda_graph=False)  # copies are growing caches
             if config.page_size != self.quest_config.page_size:
                 raise ValueError(f"a copy keeps the pages: page_size must stay {self.quest_config.page_size}")
             new.quest_config = config

@@ -23,9 +23,11 @@ class QuestConfig:
         gqa_mode: `"union"` (default): union of the query heads' Top-K per KV group; `"max"` / `"sum"`:
             rank pages by the group's max / summed bound, one Top-K per KV head.
         backend: `"auto"` (Triton kernels on CUDA, PyTorch elsewhere), `"torch"`, `"triton"`.
-        cuda_graph: allocate the cache once for prompt + new tokens and replay each decode step as a
-            captured CUDA graph (removes HF's per-step host cost; decode steps of a CPU model run the
-            same fixed-shape step without capture). Not with sliding windows or beam search.
+        cuda_graph: `"auto"` (default): `generate()` on a CUDA model allocates the cache once for prompt +
+            new tokens and replays each decode step as a captured CUDA graph (removes the per-step launch
+            cost of ~150 kernels), except with beam search or sliding-window layers, which keep the
+            growing cache. `True`: always (refusing what it cannot do; a CPU model runs the same
+            fixed-shape step uncaptured). `False`: never.
         policy: `"quest"` (default); `"streaming"` (first page + most recent pages, query-agnostic
             baseline) and `"oracle"` (top-budget tokens by exact q.k per head; reads every key, for
             evaluation only) go through the same decode path for comparisons.
@@ -37,7 +39,7 @@ class QuestConfig:
     gqa_mode: str = "union"
     backend: str = "auto"
     policy: str = "quest"
-    cuda_graph: bool = False
+    cuda_graph: bool | str = "auto"
 
     def __post_init__(self):
         for name in ("budget", "page_size", "dense_layers"):
@@ -62,7 +64,9 @@ class QuestConfig:
         for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", POLICIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-        if self.cuda_graph and self.policy != "quest":
+        if self.cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
+        if self.cuda_graph is True and self.policy != "quest":
             raise ValueError(f"cuda_graph=True runs the quest policy only, got policy={self.policy!r}")
 
     @property

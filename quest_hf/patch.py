@@ -8,6 +8,7 @@ Through HF's own extension points: the "quest" attention and mask functions are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -103,6 +104,22 @@ def _static_length(model, args, kwargs) -> int:
     return ids.shape[-1] + new if new is not None else gen_cfg.max_length
 
 
+def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
+    """Resolve cuda_graph="auto" for one generate call: captured decode on CUDA unless it cannot apply."""
+    config = state.config
+    beams = (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1) > 1
+    text_cfg = model.config.get_text_config()
+    windowed = getattr(text_cfg, "sliding_window", None) is not None and (
+        getattr(text_cfg, "use_sliding_window", True) is not False)
+    if config.cuda_graph is True and beams:
+        raise ValueError("cuda_graph=True does not support beam search; patch with cuda_graph='auto' or False")
+    if config.cuda_graph == "auto":
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        use = on_cuda and not beams and not windowed and config.policy == "quest"
+        config = dataclasses.replace(config, cuda_graph=use)
+    return config
+
+
 def _wrap_generate(model, state: _PatchState):
     original = model.generate
 
@@ -111,10 +128,9 @@ def _wrap_generate(model, state: _PatchState):
         gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
         use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and use_cache is not False:
-            if state.config.cuda_graph and (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1) > 1:
-                raise ValueError("cuda_graph=True does not support beam search; patch with cuda_graph=False")
-            length = _static_length(model, args, kwargs) if state.config.cuda_graph else None
-            kwargs[state.cache_arg] = QuestCache(state.config, state.num_layers, length)
+            config = _generate_config(model, state, gen_cfg, kwargs)
+            length = _static_length(model, args, kwargs) if config.cuda_graph else None
+            kwargs[state.cache_arg] = QuestCache(config, state.num_layers, length)
         return original(*args, **kwargs)
 
     _set_instance_attr(model, state, "generate", generate)

@@ -3,7 +3,8 @@
 Decode is host-bound in HF: a 7B model spends more time launching kernels than reading bytes. Here the
 whole one-token forward is captured once per cache as a CUDA graph and replayed, which needs fixed
 shapes and no host state inside the step:
-- storage is allocated once for `max_length` tokens (no growth, fixed addresses);
+- storage is allocated once for `max_length` tokens (fixed addresses; a cache continued past it grows
+  and its graph is captured again);
 - each layer keeps its write position `pos` as a device tensor; a decode append is four index ops;
 - selection scores every page of the capacity (unwritten pages are empty: `-inf`), forces the current
   page `(pos - 1) // S` with a device op, and chooses `K + 1` pages: the kernels' own forced page is the
@@ -37,9 +38,18 @@ class StaticQuestLayer(QuestLayer):
         self.all_pages = torch.arange(P, dtype=torch.int32, device=self.device).expand(B, H, P).contiguous()
 
     def _reserve(self, needed: int) -> None:
-        if needed > self.max_length:
-            raise ValueError(f"the static QuestCache holds {self.max_length} tokens and needs {needed}: "
-                             "build it with a larger max_length (generate sizes it from max_new_tokens)")
+        """Past `max_length` (a user continuing a cache): grow like the growing cache; the captured graph
+        holds the old addresses, so it is marked for re-capture."""
+        if needed <= self.max_length:
+            return
+        S = self.page_size
+        self.max_length = -(-max(needed, self.max_length + self.max_length // 2) // S) * S
+        if self.is_initialized:
+            self._allocate(self.max_length + S)
+            B, H = self.keys.shape[:2]
+            P = self.capacity // S
+            self.all_pages = torch.arange(P, dtype=torch.int32, device=self.device).expand(B, H, P).contiguous()
+            self._graph_invalid = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.is_initialized and self.seq_len == 0 and key_states.shape[0] != self.keys.shape[0]:
@@ -115,6 +125,9 @@ def static_decode_attention(layer: StaticQuestLayer, q, scale: float, is_dense_l
     return ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.valid, cap, S, scale, 0)
 
 
+CAPTURE = True  # False: run the same fixed-shape step eagerly on CUDA too (diagnostics: isolates capture)
+
+
 class DecodeGraph:
     """Captures one decode forward of a model over one static QuestCache and replays it.
 
@@ -132,8 +145,10 @@ class DecodeGraph:
         if position_ids is None:
             position_ids = torch.full_like(input_ids, cache.get_seq_length())
         kwargs = dict(use_cache=True, return_dict=True, attention_mask=None)
-        if input_ids.device.type != "cuda":
+        if input_ids.device.type != "cuda" or not CAPTURE:
             return forward(input_ids=input_ids, position_ids=position_ids, **{cache_arg: cache}, **kwargs)
+        for layer in cache.layers:
+            layer._reserve(layer.seq_len + 1)  # a replay cannot grow: grow (and re-capture) before it
         if any(getattr(layer, "_graph_invalid", False) for layer in cache.layers):
             self.graph, self.warm = None, False
             for layer in cache.layers:
@@ -149,8 +164,6 @@ class DecodeGraph:
                 self.out = forward(input_ids=self.ids, position_ids=self.positions, **{cache_arg: cache}, **kwargs)
             self.captures += 1
         else:
-            for layer in cache.layers:
-                layer._reserve(layer.seq_len + 1)  # the replay cannot check: refuse before it
             self.ids.copy_(input_ids)
             self.positions.copy_(position_ids)
             for layer in cache.layers:

@@ -8,6 +8,8 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   dense       HF DynamicCache + SDPA (generate's default)
   static      HF static cache + generate's automatic compile (CUDA graphs)
   quest       patch_model(budget) (growing QuestCache, Triton kernels on CUDA)
+  quest_graph patch_model(budget, cuda_graph=True) (static QuestCache, decode step replayed as a CUDA graph)
+The greedy tokens of quest_graph are compared with those of quest (same budget): `same_as_quest`.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
     python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
@@ -50,30 +52,56 @@ def build(shape: str, dtype, device, max_len: int):
     return model
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class Clock:
+    """A generate() streamer that timestamps the prompt and every new token (device synchronised)."""
 
+    def __init__(self, device):
+        self.device, self.t = device, []
 
-def timed_generate(model, ids, new_tokens, device, **kw):
-    sync(device)
-    t = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, **kw)
-    sync(device)
-    return time.perf_counter() - t, out
+    def put(self, value):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.t.append(time.perf_counter())
+
+    def end(self):
+        pass
 
 
 def measure(model, ids, new_tokens, device, **kw):
-    """(prefill s, per-token decode s, peak bytes, tokens) after one warm-up of each call shape."""
-    timed_generate(model, ids, new_tokens, device, **kw)  # warm-up (and compile, for the static path)
-    timed_generate(model, ids, 1, device, **kw)
+    """(prefill s, median per-token decode s, peak bytes, new tokens): one warm-up call (compiles the static
+    path), then one timed call of the same shapes; per-token times come from the streamer's timestamps."""
+    run = lambda clock: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,  # noqa
+                                       min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kw)
+    run(Clock(device))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t1, _ = timed_generate(model, ids, 1, device, **kw)
-    tn, out = timed_generate(model, ids, new_tokens, device, **kw)
+    clock = Clock(device)
+    out = run(clock)
+    steps = sorted(b - a for a, b in zip(clock.t[1:], clock.t[2:]))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return t1, (tn - t1) / (new_tokens - 1), peak, out[:, ids.shape[1]:]
+    return clock.t[1] - clock.t[0], steps[len(steps) // 2], peak, out[:, ids.shape[1]:]
+
+
+def replay_ms(model, ids, new_tokens, device) -> float:
+    """GPU time of one captured Quest decode step (graph replay alone, CUDA events, median of 20):
+    the floor of quest_graph's per-token latency once generate's own host work is taken out."""
+    from quest_hf import QuestCache
+    from quest_hf.patch import cache_arg_name
+
+    cache = QuestCache.from_model(model, max_length=ids.shape[1] + new_tokens)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                   **{cache_arg_name(model): cache})
+    graph, times = cache.graph.graph, []
+    for _ in range(20):
+        for layer in cache.layers:
+            layer.pos.fill_(ids.shape[1])  # rewrite the same slot each time: the cache never fills up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end))
+    return sorted(times)[10]
 
 
 def main(argv=None):
@@ -82,7 +110,7 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--batches", type=int, nargs="+", default=[1])
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument("--methods", nargs="+", default=["dense", "static", "quest"], choices=["dense", "static", "quest"])
+    p.add_argument("--methods", nargs="+", default=["dense", "static", "quest", "quest_graph"], choices=["dense", "static", "quest", "quest_graph"])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -96,8 +124,8 @@ def main(argv=None):
             for B in args.batches:
                 ids = torch.randint(1, model.config.vocab_size, (B, L), device=device,
                                     generator=torch.Generator(device).manual_seed(L))
-                runs = [(m, None) for m in args.methods if m != "quest"]
-                runs += [("quest", b) for b in args.budgets if "quest" in args.methods]
+                runs = [(m, None) for m in args.methods if not m.startswith("quest")]
+                runs += [(m, b) for b in args.budgets for m in ("quest", "quest_graph") if m in args.methods]
                 tokens = {}
                 for method, budget in runs:
                     kw = {}
@@ -105,21 +133,25 @@ def main(argv=None):
                         kw = dict(cache_implementation="static")
                     elif method == "dense":
                         kw = dict(disable_compile=True)
-                    if method == "quest":
-                        patch_model(model, budget=budget)
+                    if method.startswith("quest"):
+                        patch_model(model, budget=budget, cuda_graph=method == "quest_graph")
                     try:
                         prefill, step, peak, out = measure(model, ids, args.new_tokens, device, **kw)
                         err = None
                     except Exception as e:  # a method that fails is reported, not hidden
                         prefill = step = peak = float("nan")
                         out, err = None, f"{type(e).__name__}: {e}"[:300]
-                    finally:
-                        if method == "quest":
-                            unpatch_model(model)
                     tokens[(method, budget)] = out
+                    same = None
+                    replay = replay_ms(model, ids, args.new_tokens, device) if (
+                        method == "quest_graph" and err is None and device.type == "cuda") else None
+                    if method == "quest_graph" and out is not None and tokens.get(("quest", budget)) is not None:
+                        same = bool(torch.equal(out, tokens[("quest", budget)]))
                     row = dict(shape=shape, length=L, batch=B, method=method, budget=budget, prefill_s=prefill,
                                step_ms=step * 1e3, tokens_per_s=B / step if step == step else float("nan"),
-                               peak_gib=peak / 2**30, error=err)
+                               peak_gib=peak / 2**30, same_as_quest=same, graph_replay_ms=replay, error=err)
+                    if method.startswith("quest"):
+                        unpatch_model(model)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if device.type == "cuda":
@@ -132,14 +164,16 @@ def main(argv=None):
         if r["method"] in ("dense", "static") and r["step_ms"] == r["step_ms"]:
             k = (r["shape"], r["length"], r["batch"])
             best_dense[k] = min(best_dense.get(k, float("inf")), r["step_ms"])
-    lines = ["| shape | L | B | method | budget | prefill s | ms/token | tok/s | x fastest dense | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | L | B | method | budget | prefill s | ms/token | tok/s | x fastest dense | peak GiB | tokens = quest | GPU ms/step (replay) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = best_dense.get((r["shape"], r["length"], r["batch"]))
         ratio = ref / r["step_ms"] if ref and r["step_ms"] == r["step_ms"] else float("nan")
         lines.append(f"| {r['shape']} | {r['length']} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
                      f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
-                     f"{r['peak_gib']:.1f} |" + (f" {r['error']}" if r["error"] else ""))
+                     f"{r['peak_gib']:.1f} | {'' if r['same_as_quest'] is None else r['same_as_quest']} | "
+                     f"{'' if r['graph_replay_ms'] is None else format(r['graph_replay_ms'], '.2f')} |"
+                     + (f" {r['error']}" if r["error"] else ""))
     md = "\n".join(lines)
     print(md)
     meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(argv or sys.argv[1:]),

@@ -39,17 +39,37 @@ def test_static_step_matches_growing_cache(heads, kv_heads, mode, budget):
     assert layer.keys.shape[2] == layer.capacity
 
 
-def test_static_cache_refuses_to_overflow_and_beams():
-    model = tiny_model("llama")
+def test_static_cache_grows_when_continued_past_its_length():
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    patch_model(model, budget=32, cuda_graph=False)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     patch_model(model, budget=32, cuda_graph=True)
-    ids, mask = left_padded_batch()
     cache = QuestCache.from_model(model, max_length=ids.shape[1] + 2)
-    with pytest.raises(ValueError, match="static QuestCache holds"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, past_key_values=cache)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, past_key_values=cache)
+    assert torch.equal(ref, out)
+    assert cache.layers[0].max_length >= ids.shape[1] + 29 and int(cache.layers[0].pos) == ids.shape[1] + 29
+
+
+def test_beams_with_cuda_graph():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch()
+    patch_model(model, budget=32, cuda_graph=True)
     with pytest.raises(ValueError, match="does not support beam search"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
     with pytest.raises(ValueError, match="needs a static capacity"):
-        QuestCache.from_model(model)
+        QuestCache(QuestConfig(cuda_graph=True), num_layers=2)
+    patch_model(model, budget=32)  # "auto": beam search keeps the growing cache
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2, return_dict_in_generate=True)
+    assert not isinstance(out.past_key_values.layers[0], StaticQuestLayer)
+
+
+def test_auto_on_cpu_keeps_the_growing_cache():
+    model = tiny_model("llama")
+    ids, mask = left_padded_batch()
+    patch_model(model, budget=32)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True)
+    assert out.past_key_values.graph is None
 
 
 def test_static_sliding_window_is_refused_clearly():

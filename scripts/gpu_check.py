@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""On a CUDA device: the patched decode path end to end, Triton vs the PyTorch reference, graph vs growing.
+
+For a small random GQA Llama and a MHA one, fp16 and bf16, batch 2 left-padded, budget small enough that
+selection matters: greedy tokens and logits of backend="triton" vs backend="torch", and of
+cuda_graph=True vs the growing cache; which backend ran and how many graphs were captured/replayed.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import quest_hf.static  # noqa: E402
+from quest_hf import patch_model, unpatch_model  # noqa: E402
+
+
+def model_of(heads, kv_heads, dtype):
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64 * heads, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
+                      attn_implementation="sdpa", eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = LlamaForCausalLM(cfg).to(dtype).eval()
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def gen(model, ids, mask, n=24):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores).float(), out.past_key_values
+
+
+def main():
+    rows = []
+    g = torch.Generator("cuda").manual_seed(1)
+    for heads, kv in ((8, 2), (4, 4)):
+        for dtype in (torch.float16, torch.bfloat16):
+            model = model_of(heads, kv, dtype)
+            ids = torch.randint(1, 512, (2, 1500), device="cuda", generator=g)
+            mask = torch.ones_like(ids)
+            mask[1, :311] = 0
+            ids[1, :311] = 0
+            res = {}
+            for name, kw in (("torch", dict(backend="torch")), ("triton", dict(backend="triton")),
+                             ("triton_graph", dict(backend="triton", cuda_graph=True))):
+                patch_model(model, budget=128, **kw)
+                seq, scores, cache = gen(model, ids, mask)
+                res[name] = (seq, scores, cache)
+                if name == "triton_graph":  # the same fixed-shape step, uncaptured: isolates the capture
+                    quest_hf.static.CAPTURE = False
+                    res["triton_static_eager"] = gen(model, ids, mask)
+                    quest_hf.static.CAPTURE = True
+                unpatch_model(model)
+            dense_seq, _, _ = gen(model, ids, mask)
+            row = dict(heads=heads, kv_heads=kv, dtype=str(dtype).split(".")[-1],
+                       backends={k: sorted(v[2].backends) for k, v in res.items()},
+                       tokens_triton_eq_torch=bool(torch.equal(res["triton"][0], res["torch"][0])),
+                       tokens_graph_eq_triton=bool(torch.equal(res["triton_graph"][0], res["triton"][0])),
+                       tokens_quest_eq_dense=bool(torch.equal(res["triton"][0], dense_seq)),
+                       graph_eq_static_eager_bitwise=bool(torch.equal(res["triton_graph"][1],
+                                                                      res["triton_static_eager"][1])),
+                       max_logit_diff_triton_torch=float((res["triton"][1] - res["torch"][1]).abs().max()),
+                       max_logit_diff_graph_triton=float((res["triton_graph"][1] - res["triton"][1]).abs().max()),
+                       graph_captures=res["triton_graph"][2].graph.captures,
+                       graph_replays=res["triton_graph"][2].graph.replays)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(os.environ.get("OUT", "benchmarks")) / "gpu_check.json"
+    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
