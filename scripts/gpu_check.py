@@ -48,7 +48,7 @@ def main():
             mask[1, :311] = 0
             ids[1, :311] = 0
             res = {}
-            for name, kw in (("torch", dict(backend="torch")), ("triton", dict(backend="triton")),
+            for name, kw in (("torch", dict(backend="torch", cuda_graph=False)), ("triton", dict(backend="triton", cuda_graph=False)),
                              ("triton_graph", dict(backend="triton", cuda_graph=True))):
                 patch_model(model, budget=128, **kw)
                 seq, scores, cache = gen(model, ids, mask)

@@ -54,20 +54,24 @@ BLOCK_N = 32
 NUM_WARPS = 4
 # Programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM latency.
 PROGRAMS_PER_SM = 4
+# The last split of each KV head to finish merges the partials (atomic ticket) instead of a second launch.
+FUSE_MERGE = True
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _sparse_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, out_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_ib, stride_ih, stride_ik,
     stride_vab, stride_vac,
+    stride_ob, stride_oh, stride_od,
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_split = tl.program_id(1)
@@ -91,14 +95,19 @@ def _sparse_attn_split_kernel(
     p_ids = ids_ptr + i_b * stride_ib + i_h * stride_ih
     p_k = k_ptr + i_b * stride_kb + i_h * stride_kh
     p_v = v_ptr + i_b * stride_vb + i_h * stride_vh
-    for i_t0 in range(i_id0 * PAGE, i_id1 * PAGE, BLOCK_N):
+    # The page ids of the next step are loaded one step ahead, so only the first step pays the dependent
+    # id -> K/V latency.
+    i_t1 = i_id1 * PAGE
+    o_t = i_id0 * PAGE + o_n
+    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1)
+    for i_t0 in range(i_id0 * PAGE, i_t1, BLOCK_N):
         o_t = i_t0 + o_n  # position in this row's list of chosen tokens
-        i_id = o_t // PAGE
-        b_page = tl.load(p_ids + i_id * stride_ik, mask=i_id < i_id1, other=-1)
         o_slot = b_page * PAGE + o_t % PAGE
         # Fetch only slots that exist; validity and the window join the mask on the logits, so the
         # K/V loads do not wait for the valid[] load.
         m_n = (b_page >= 0) & (o_slot < SEQ_LEN)
+        o_tn = o_t + BLOCK_N
+        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1)
         b_ok = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_n, other=0)
         m_tok = m_n & (b_ok != 0) & (o_slot >= WINDOW_START)
         m_nd = m_n[:, None] & m_d[None, :]
@@ -127,26 +136,28 @@ def _sparse_attn_split_kernel(
     tl.store(l_ptr + o_row * NUM_SPLITS + i_split, l_i, mask=m_g)
     p_acc = acc_ptr + (o_row * NUM_SPLITS + i_split)[:, None] * D + o_d[None, :]
     tl.store(p_acc, acc, mask=m_g[:, None] & m_d[None, :])
+    if FUSE_MERGE:
+        # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
+        # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.
+        tl.debug_barrier()
+        i_ticket = tl.atomic_add(cnt_ptr + i_bh, 1, sem="acq_rel")
+        if i_ticket == NUM_SPLITS - 1:
+            for g in tl.static_range(G):
+                _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, (i_b * H_KV + i_h) * G + g, i_b, i_h * G + g,
+                           stride_ob, stride_oh, stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, ".cg")
 
 
 @triton.jit
-def _sparse_attn_merge_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr,
-    stride_ob, stride_oh, stride_od,
-    H_Q, NUM_SPLITS,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    i_row = tl.program_id(0).to(tl.int64)
-    i_b = i_row // H_Q
-    i_hq = i_row % H_Q
+def _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_b, i_hq, stride_ob, stride_oh, stride_od, NUM_SPLITS,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
     o_s = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     m_s = o_s < NUM_SPLITS
     m_d = o_d < D
-    b_m = tl.load(m_ptr + i_row * NUM_SPLITS + o_s, mask=m_s, other=float("-inf"))
-    b_l = tl.load(l_ptr + i_row * NUM_SPLITS + o_s, mask=m_s, other=0.0)
+    b_m = tl.load(m_ptr + i_row * NUM_SPLITS + o_s, mask=m_s, other=float("-inf"), cache_modifier=CACHE)
+    b_l = tl.load(l_ptr + i_row * NUM_SPLITS + o_s, mask=m_s, other=0.0, cache_modifier=CACHE)
     b_acc = tl.load(acc_ptr + (i_row * NUM_SPLITS + o_s)[:, None] * D + o_d[None, :],
-                    mask=m_s[:, None] & m_d[None, :], other=0.0)
+                    mask=m_s[:, None] & m_d[None, :], other=0.0, cache_modifier=CACHE)
     # Log-sum-exp merge of the splits' partial softmaxes (m is already in log2 units).
     i_m = tl.max(b_m, axis=0)
     i_m = tl.where(i_m == float("-inf"), 0.0, i_m)
@@ -157,6 +168,18 @@ def _sparse_attn_merge_kernel(
     b_o = tl.where(i_l > 0, b_o / tl.where(i_l > 0, i_l, 1.0), 0.0)
     tl.store(out_ptr + i_b * stride_ob + i_hq * stride_oh + o_d * stride_od,
              b_o.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _sparse_attn_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    H_Q, NUM_SPLITS,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    i_row = tl.program_id(0).to(tl.int64)
+    _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_row // H_Q, i_row % H_Q, stride_ob, stride_oh, stride_od,
+               NUM_SPLITS, D, BLOCK_D, BLOCK_S, "")
 
 
 def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int]:
@@ -174,7 +197,8 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
 
     q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
     page_ids int32 `[B, H_kv, K]`, -1 ignored wherever it sits; valid bool `[B, C]`. Returns a fresh
-    `[B, H_q, D]` in q's dtype. Workspace: fp32 partials of `B * H_q * splits * (D + 2)` floats per call.
+    `[B, H_q, D]` in q's dtype. Workspace: fp32 partials of `B * H_q * splits * (D + 2)` floats per call and,
+    with FUSE_MERGE, `B * H_kv` int32 tickets (zeroed).
     """
     require_triton()
     B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start)
@@ -184,26 +208,32 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H * G, splits, D, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H * G, D, dtype=q.dtype, device=q.device)
+    fuse = FUSE_MERGE
+    cnt = torch.zeros(B * H, dtype=torch.int32, device=q.device) if fuse else m_part
     valid_u8 = valid.view(torch.uint8)
     block_d = max(16, next_pow2(D))
+    block_s = max(2, next_pow2(splits))
     _sparse_attn_split_kernel[(B * H, splits)](
-        q, k_cache, v_cache, page_ids, valid_u8, m_part, l_part, acc_part,
+        q, k_cache, v_cache, page_ids, valid_u8, m_part, l_part, acc_part, cnt, out,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         page_ids.stride(0), page_ids.stride(1), page_ids.stride(2),
         valid_u8.stride(0), valid_u8.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
         H, K, ids_each, splits, seq_len, window_start, scale * LOG2E,
         G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N,
         # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
+        FUSE_MERGE=fuse, BLOCK_S=block_s,
         num_warps=NUM_WARPS,
     )
-    _sparse_attn_merge_kernel[(B * H * G,)](
-        m_part, l_part, acc_part, out,
-        out.stride(0), out.stride(1), out.stride(2),
-        H * G, splits,
-        D=D, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(splits)), num_warps=4,
-    )
+    if not fuse:
+        _sparse_attn_merge_kernel[(B * H * G,)](
+            m_part, l_part, acc_part, out,
+            out.stride(0), out.stride(1), out.stride(2),
+            H * G, splits,
+            D=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+        )
     return out
