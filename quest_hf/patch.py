@@ -104,6 +104,13 @@ def _static_length(model, args, kwargs) -> int:
     return ids.shape[-1] + new if new is not None else gen_cfg.max_length
 
 
+def _distributed() -> bool:
+    """Tensor parallel runs all-reduce inside the forward; a captured graph would hold the collectives."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
     """Resolve cuda_graph="auto" for one generate call: captured decode on CUDA unless it cannot apply."""
     config = state.config
@@ -114,8 +121,10 @@ def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
     if config.cuda_graph is True and beams:
         raise ValueError("cuda_graph=True does not support beam search; patch with cuda_graph='auto' or False")
     if config.cuda_graph == "auto":
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        use = on_cuda and not beams and not windowed and config.policy == "quest"
+        devices = {p.device for p in model.parameters()}
+        # One graph captures one device's stream: a model spread over GPUs keeps the growing cache.
+        on_one_gpu = len(devices) == 1 and next(iter(devices)).type == "cuda" and not _distributed()
+        use = on_one_gpu and not beams and not windowed and config.policy == "quest"
         config = dataclasses.replace(config, cuda_graph=use)
     return config
 
