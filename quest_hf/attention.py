@@ -11,6 +11,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import QuestLayer
+from .selectors import SELECTORS
 from .static import StaticQuestLayer, static_decode_attention
 
 NAME = "quest"  # avoid "sdpa"/"flash"/"paged": transformers matches those substrings specially
@@ -23,26 +24,7 @@ def _window_start(seq_len: int, sliding_window: int | None) -> int:
 
 def select_pages(layer: QuestLayer, q: torch.Tensor, window_start: int) -> torch.Tensor:
     """Page ids `[B, H_kv, K]` (int32, -1 unused) for decode query `q [B, H_q, D]` under the layer's policy."""
-    cfg, ops, L = layer.config, layer.ops, layer.seq_len
-    if cfg.policy == "streaming":
-        return ops.topk_pages(streaming_scores(layer, window_start), cfg.num_pages, 1)
-    reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
-    scores = ops.score_pages(q, layer.kmin, layer.kmax, L, cfg.page_size, window_start, reduce)
-    group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
-    return ops.topk_pages(scores, cfg.num_pages, group)
-
-
-def streaming_scores(layer: QuestLayer, window_start: int) -> torch.Tensor:
-    """Query-agnostic ranking `[B, H_kv, P]`: the first non-empty page (attention sink), then recency."""
-    S, L = layer.page_size, layer.seq_len
-    P = -(-L // S)
-    filled = layer.kmin[:, :, :P, 0] <= layer.kmax[:, :, :P, 0]
-    first = filled.int().argmax(-1, keepdim=True)
-    s = torch.arange(P, device=filled.device, dtype=torch.float32).expand(filled.shape).clone()
-    s.scatter_(-1, first, float(P))  # above every recency score, below the forced current page
-    s[..., : window_start // S] = float("-inf")
-    s[..., P - 1] = float("inf")
-    return s.masked_fill(~filled, float("-inf"))
+    return SELECTORS[layer.config.policy].select(layer, q, window_start)
 
 
 def oracle_attention(layer: QuestLayer, q: torch.Tensor, scale: float, window_start: int) -> torch.Tensor:

@@ -62,6 +62,7 @@ class QuestLayer(CacheLayerMixin):
         self._step = step or _Step()
         self.seq_len = 0
         self.kmin = self.kmax = self.valid = None
+        self.side: dict[str, torch.Tensor] = {}  # selectors' per-slot buffers [B, H_kv, C, ...]
         self.ops: Ops | None = None
 
     def __repr__(self):
@@ -111,6 +112,10 @@ class QuestLayer(CacheLayerMixin):
         keys[:, :, :n], values[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
         kmin[:, :, :p], kmax[:, :, :p], valid[:, :old] = self.kmin, self.kmax, self.valid
         self.keys, self.values, self.kmin, self.kmax, self.valid = keys, values, kmin, kmax, valid
+        for name, t in self.side.items():
+            grown = t.new_zeros(t.shape[0], t.shape[1], cap, *t.shape[3:])
+            grown[:, :, :old] = t
+            self.side[name] = grown
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append `key_states/value_states [B, H_kv, T, D]`; return the filled K/V `[B, H_kv, seq_len, D]` (views)."""
@@ -128,6 +133,7 @@ class QuestLayer(CacheLayerMixin):
         valid_new = self._step.get(T, self.device)
         self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
                            key_states, value_states, valid_new, self.seq_len)
+        self._selector.on_append(self, key_states, self.seq_len, valid_new)
         self.seq_len += T
         return self.keys[:, :, : self.seq_len], self.values[:, :, : self.seq_len]
 
@@ -141,10 +147,17 @@ class QuestLayer(CacheLayerMixin):
         return -1
 
     # Everything below acts on all five buffers (the mixin's versions only know keys/values).
+    @property
+    def _selector(self):
+        from .selectors import SELECTORS
+
+        return SELECTORS.get(self.config.policy, SELECTORS["quest"])  # "oracle" keeps no side state
+
     def _map(self, fn) -> None:
         if self.is_initialized:
             for name in ("keys", "values", "kmin", "kmax", "valid"):
                 setattr(self, name, fn(getattr(self, name)))
+            self.side = {name: fn(t) for name, t in self.side.items()}
 
     def reset(self) -> None:
         if self.is_initialized:

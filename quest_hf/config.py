@@ -3,7 +3,6 @@ from dataclasses import dataclass
 
 GQA_MODES = ("union", "max", "sum")
 BACKENDS = ("auto", "torch", "triton")
-POLICIES = ("quest", "streaming", "oracle")
 MAX_PAGE_SIZE = 256
 
 
@@ -61,7 +60,9 @@ class QuestConfig:
             )
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
-        for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", POLICIES)):
+        from .selectors import policy_names  # registered selectors (quest_hf.selectors.register_selector)
+
+        for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", policy_names())):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if self.cuda_graph not in (True, False, "auto"):

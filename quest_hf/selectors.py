@@ -1,0 +1,61 @@
+"""Page selectors: how a sparse layer chooses the pages one decode query reads.
+
+A selector is a small stateless object registered under a policy name (`QuestConfig.policy`). Per-layer
+state it needs (e.g. a per-token key sketch) lives in `layer.side`: tensors `[B, H_kv, C, ...]` indexed by
+slot, which the layer grows, reorders (beam search) and batch-edits together with the K/V pages.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Selector:
+    """Base: `select` returns int32 page ids `[B, H_kv, K]` (-1 unused, current page included)."""
+
+    def on_append(self, layer, key_states: torch.Tensor, start: int, valid_new: torch.Tensor | None) -> None:
+        """Called after `key_states [B, H_kv, T, D]` were stored at slots `[start, start + T)`."""
+
+    def select(self, layer, q: torch.Tensor, window_start: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class QuestSelector(Selector):
+    """The paper's rule: page upper bound from key min/max, Top-K per query head (union per group)."""
+
+    def select(self, layer, q, window_start):
+        cfg, ops = layer.config, layer.ops
+        reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
+        scores = ops.score_pages(q, layer.kmin, layer.kmax, layer.seq_len, cfg.page_size, window_start, reduce)
+        group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
+        return ops.topk_pages(scores, cfg.num_pages, group)
+
+
+class StreamingSelector(Selector):
+    """Query-agnostic baseline: the first non-empty page (attention sink), then the most recent pages."""
+
+    def select(self, layer, q, window_start):
+        S, L = layer.page_size, layer.seq_len
+        P = -(-L // S)
+        filled = layer.kmin[:, :, :P, 0] <= layer.kmax[:, :, :P, 0]
+        first = filled.int().argmax(-1, keepdim=True)
+        s = torch.arange(P, device=filled.device, dtype=torch.float32).expand(filled.shape).clone()
+        s.scatter_(-1, first, float(P))  # above every recency score, below the forced current page
+        s[..., : window_start // S] = float("-inf")
+        s[..., P - 1] = float("inf")
+        return layer.ops.topk_pages(s.masked_fill(~filled, float("-inf")), layer.config.num_pages, 1)
+
+
+SELECTORS: dict[str, Selector] = {"quest": QuestSelector(), "streaming": StreamingSelector()}
+# "oracle" is not a page selector: it attends to exact top tokens (quest_hf.attention.oracle_attention).
+SPECIAL_POLICIES = ("oracle",)
+
+
+def register_selector(name: str, selector: Selector) -> None:
+    """Make `QuestConfig(policy=name)` use `selector`."""
+    if not isinstance(selector, Selector):
+        raise TypeError(f"selector must be a quest_hf.selectors.Selector, got {type(selector).__name__}")
+    SELECTORS[name] = selector
+
+
+def policy_names() -> tuple[str, ...]:
+    return (*SELECTORS, *SPECIAL_POLICIES)
