@@ -161,7 +161,12 @@ class DecodeGraph:
             self.graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(input_ids.device)
             with torch.cuda.graph(self.graph):  # records only; Python advanced the host lengths once
-                self.out = forward(input_ids=self.ids, position_ids=self.positions, **{cache_arg: cache}, **kwargs)
+                out = forward(input_ids=self.ids, position_ids=self.positions, **{cache_arg: cache}, **kwargs)
+            # Keep the output's tensors, never the cache it names: cache -> graph -> output -> cache would be a
+            # reference cycle holding every generate call's cache until the cyclic collector runs.
+            self.out_type = type(out)
+            self.out_fields = {k: v for k, v in out.items() if v is not cache}
+            self.cache_field = next((k for k, v in out.items() if v is cache), None)
             self.captures += 1
         else:
             self.ids.copy_(input_ids)
@@ -170,6 +175,7 @@ class DecodeGraph:
                 layer.seq_len += 1
         self.graph.replay()
         self.replays += 1
-        out = self.out.__class__(**{k: v for k, v in self.out.items()})
-        out["logits"] = self.out.logits.clone()  # the graph overwrites its output at the next replay
-        return out
+        fields = dict(self.out_fields, logits=self.out_fields["logits"].clone())  # the next replay overwrites it
+        if self.cache_field is not None:
+            fields[self.cache_field] = cache
+        return self.out_type(**fields)

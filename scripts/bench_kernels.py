@@ -8,6 +8,11 @@ over the device-to-device copy bandwidth measured in the same run.
     PYTHONPATH=. python scripts/bench_kernels.py --quick        # a subset
     PYTHONPATH=. python scripts/bench_kernels.py --check        # launchers vs references first
     PYTHONPATH=. python scripts/bench_kernels.py --tune         # a few block sizes at 32K
+    PYTHONPATH=. python scripts/bench_kernels.py --timer dirty  # triton do_bench (L2 left dirty, see NOTES)
+
+Timers: "clean" (default) times each call with CUDA events, rotating over input sets that together exceed L2
+three times, and no flush; "dirty" is triton.testing.do_bench, whose flush (zeroing 256 MB before every
+call) leaves L2 full of dirty lines that the timed kernels must write back (~50 MB extra traffic).
 
 Writes bench_kernels.json and bench_kernels.md under $OUT if set, else benchmarks/.
 """
@@ -30,12 +35,35 @@ SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (H_q, H_kv, 
 PAGE = 16
 L2_BYTES = 60e6
 DEV = "cuda"
+VARIANTS = False
+
+
+TIMER = "clean"
 
 
 def bench(fn, warmup=3, rep=12):
+    """Median microseconds of fn() (see the module docstring for the two timers)."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3  # us
+    if TIMER == "dirty":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    n = max(10, min(400, int(rep * 1e-3 / max((time.perf_counter() - t0) / 5, 1e-6))))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        # ~20 us of GPU spinning (no memory traffic) lets the CPU queue the timed call before the GPU reaches it.
+        torch.cuda._sleep(40000)
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[n // 2] * 1e3
 
 
 def copy_bandwidth():
@@ -125,8 +153,10 @@ def rotating(fns):
 
 def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
     H_q, H_kv, D = SHAPES[shape]
-    per_set = 2 * B * H_kv * L * D * torch.tensor([], dtype=dtype).element_size()
-    n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / per_set)))
+    # Input sets to rotate over: enough that what one Quest step touches (all pages' kmin/kmax, the chosen
+    # pages' K/V) exceeds L2 three times over, so no timed call finds its inputs in L2.
+    touched = 2 * B * H_kv * D * torch.tensor([], dtype=dtype).element_size() * (L // PAGE + min(L, budget))
+    n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / touched)))
     layers = [make_layer(B, H_kv, L, D, dtype, seed) for seed in range(n_sets)]
     qs = [torch.randn(B, H_q, D, device=DEV, dtype=dtype) for _ in range(n_sets)]
     key = (shape, L, B, dtype)
@@ -148,6 +178,13 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
         t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
         t_total = bench(rotating([s.full for s in steps]))
         t_graph = graph_time(steps, "full")
+        extra = {}
+        if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
+            default = attn_mod.FUSE_MERGE_MAX_SPLITS
+            for name, limit in (("attn_fused_merge_us", 1 << 30), ("attn_merge_kernel_us", 0)):
+                attn_mod.FUSE_MERGE_MAX_SPLITS = limit
+                extra[name] = graph_time(steps, "attn")
+            attn_mod.FUSE_MERGE_MAX_SPLITS = default
         nbytes, chosen = steps[0].bytes_read()
         limit_us = nbytes / bw * 1e6
         best = min(t_total, t_graph)
@@ -156,7 +193,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             score_us=t_score, topk_us=t_topk, attn_us=t_attn, total_us=t_total, graph_us=t_graph,
             sdpa_us=t_sdpa, speedup_plain=t_sdpa / t_total, speedup_graph=t_sdpa / t_graph,
             bytes=nbytes, chosen_pages=chosen, achieved_GBps=nbytes / (best * 1e-6) / 1e9,
-            byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets,
+            byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets, timer=TIMER, **extra,
         ))
         print(fmt_row(rows[-1]), flush=True)
         del steps
@@ -172,8 +209,10 @@ HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn u
 def fmt_row(r):
     return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
             f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} | {r['sdpa_us']:.1f} "
-            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} | {r['byte_limit_us']:.1f} "
-            f"| {r['frac_of_limit']:.2f} |")
+            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} "
+            f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |"
+            + (f" attn: merge fused {r['attn_fused_merge_us']:.1f}, merge kernel {r['attn_merge_kernel_us']:.1f}"
+               if "attn_merge_kernel_us" in r else ""))
 
 
 def check():
@@ -217,24 +256,31 @@ def check():
                 assert torch.equal(fin, s.isfinite()) and torch.equal(s[~fin], s_ref[~fin]), "score inf mask"
                 err = ((s - s_ref)[fin].abs().max() / s_ref[fin].abs().max()).item()
                 assert err < 1e-5, f"score err {err}"
-                for k in (1, 64, 128, 100000):
-                    ids = tk.topk_pages(s_ref, k, group)
-                    ids_ref = tk.topk_pages_ref(s_ref, k, group)
+                for k, tie in ((1, False), (64, False), (128, False), (100000, False), (128, True), (7, True)):
+                    src = s_ref.round() if tie else s_ref  # rounded scores: many ties at the k-th
+                    if tie and group != 1:
+                        continue
+                    ids = tk.topk_pages(src, k, group)
+                    ids_ref = tk.topk_pages_ref(src, k, group)
                     assert ids.shape == ids_ref.shape and torch.equal((ids < 0).sum(-1), (ids_ref < 0).sum(-1)), "topk count"
                     srt = ids.clone()
                     srt[srt < 0] = 1 << 30
                     assert torch.equal(srt.sort(-1).values, srt), "topk not ascending"
                     if not torch.equal(ids, ids_ref):  # ties: compare multisets of chosen scores per row
                         assert group == 1, "union differs (ties are unlikely on random data)"
-                        va = torch.where(ids >= 0, s_ref.gather(-1, ids.clamp(min=0).long()), 0.0).sort(-1).values
-                        vb = torch.where(ids_ref >= 0, s_ref.gather(-1, ids_ref.clamp(min=0).long()), 0.0).sort(-1).values
+                        va = torch.where(ids >= 0, src.gather(-1, ids.clamp(min=0).long()), 0.0).sort(-1).values
+                        vb = torch.where(ids_ref >= 0, src.gather(-1, ids_ref.clamp(min=0).long()), 0.0).sort(-1).values
                         assert torch.equal(va, vb), "topk chosen scores differ"
                 if reduce == "none":
                     ids_ref = tk.topk_pages_ref(s_ref, 128, group)
-                    o = tk.sparse_decode_attention(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
                     o_ref = tk.sparse_decode_attention_ref(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
-                    rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-                    assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B}"
+                    default = attn_mod.FUSE_MERGE_MAX_SPLITS
+                    for limit in (0, 1 << 30, 1 << 30, 1 << 30):  # merge kernel; fused merge 3x (a race varies)
+                        attn_mod.FUSE_MERGE_MAX_SPLITS = limit
+                        o = tk.sparse_decode_attention(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
+                        rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+                        assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
+                    attn_mod.FUSE_MERGE_MAX_SPLITS = default
                     report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: attn rel err {rel:.2e}, score err {err:.1e}")
             del kc, vc, kmin, kmax, valid, ref_cache
     for line in report:
@@ -250,6 +296,26 @@ TUNE_SPACE = {
     "attn": (attn_mod, ("BLOCK_N", "NUM_WARPS", "PROGRAMS_PER_SM"),
              [(32, 4, 4), (64, 4, 4), (64, 4, 8), (64, 8, 4), (128, 8, 4), (64, 4, 2), (32, 2, 8), (32, 4, 8)]),
 }
+
+
+def check_topk_large():
+    """Top-K alone at P = 8192 and 16384 (ties, many -inf, unions of 4 and 8) on the device."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for B, R, P, k, group, dead in ((1, 32, 8192, 128, 1, 0.3), (2, 32, 8192, 128, 4, 0.5), (1, 16, 16384, 256, 8, 0.1),
+                                    (1, 8, 8192, 2000, 1, 0.9)):
+        s = torch.randn(B, R, P, device=dev) * 10
+        s = s.round() if group == 1 else s
+        s.masked_fill_(torch.rand(B, 1, P, device=dev) < dead, float("-inf"))
+        s[..., -1] = float("inf")
+        ids, ids_ref = tk.topk_pages(s, k, group), tk.topk_pages_ref(s, k, group)
+        assert torch.equal((ids < 0).sum(-1), (ids_ref < 0).sum(-1)), "topk count (large P)"
+        if group > 1:
+            assert torch.equal(ids, ids_ref), "topk union (large P)"
+        else:
+            va = torch.where(ids >= 0, s.gather(-1, ids.clamp(min=0).long()), 0.0).sort(-1).values
+            vb = torch.where(ids_ref >= 0, s.gather(-1, ids_ref.clamp(min=0).long()), 0.0).sort(-1).values
+            assert torch.equal(va, vb), "topk chosen scores differ (large P)"
+    print("check: topk at P = 8192/16384 with ties and -inf matches", flush=True)
 
 
 def tune(bw):
@@ -291,12 +357,15 @@ def tune(bw):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="32K/128K, batch 1, budget 2048, fp16 only")
+    ap.add_argument("--quick", action="store_true", help="4K/32K/128K, batch 1/8, budget 2048, fp16 only")
     ap.add_argument("--check", action="store_true", help="compare launchers with references first")
     ap.add_argument("--tune", action="store_true", help="pick block sizes at 32K/128K first (CUDA graphs)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the benchmark sweep")
     ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
+    ap.add_argument("--timer", choices=("clean", "dirty"), default="clean", help="see the module docstring")
+    ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
+    ap.add_argument("--name", default="bench_kernels", help="output file stem")
     args = ap.parse_args(argv)
     import triton
 
@@ -305,8 +374,12 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
     t0 = time.time()
+    global TIMER, VARIANTS
+    TIMER, VARIANTS = args.timer, args.variants
+    meta["timer"] = TIMER
     if args.check:
         check()
+        check_topk_large()
         meta["check_s"] = time.time() - t0
     bw = copy_bandwidth()
     meta["copy_bandwidth_GBps"] = bw / 1e9
@@ -316,25 +389,26 @@ def main(argv=None):
     if not args.no_sweep:
         print(HEADER, flush=True)
         if args.quick:
-            grid = [(s, L, 1, 2048, torch.float16) for s in SHAPES for L in (32768, 131072)]
+            grid = [(s, L, B, 2048, torch.float16) for s in SHAPES for B in (1, 8) for L in (4096, 32768, 131072)]
         else:
             grid = [(s, L, B, bud, dt) for dt in (torch.float16, torch.bfloat16) for s in SHAPES for B in (1, 8)
                     for L in args.lengths for bud in (512, 2048, 4096)
                     if args.full or dt == torch.float16 or bud == 2048]
         for shape, L, B, bud, dt in grid:
             rows += run_config(shape, L, B, bud, dt, ("union", "max"), bw, sdpa_cache)
-            write(out_dir, meta, rows)
+            write(out_dir, args.name, meta, rows)
     meta["wall_s"] = time.time() - t0
-    write(out_dir, meta, rows)
+    write(out_dir, args.name, meta, rows)
     print(f"done in {meta['wall_s']:.0f} s", flush=True)
 
 
-def write(out_dir, meta, rows):
-    with open(os.path.join(out_dir, "bench_kernels.json"), "w") as f:
+def write(out_dir, name, meta, rows):
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(os.path.join(out_dir, "bench_kernels.md"), "w") as f:
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write(f"# Quest kernels vs dense SDPA\n\n{json.dumps({k: v for k, v in meta.items() if k != 'tune'})}\n\n")
-        f.write("score/topk/attn/graph: CUDA-graph replays; total: plain launches from Python.\n\n")
+        f.write("score/topk/attn/graph: CUDA-graph replays; total: plain launches from Python. Timer: "
+                f"{meta.get('timer')} (see scripts/bench_kernels.py).\n\n")
         f.write(HEADER + "\n" + "\n".join(fmt_row(r) for r in rows) + "\n")
 
 

@@ -2,9 +2,8 @@
 import torch
 
 from ._common import check_query, next_pow2, require_triton, tl, triton
-from .topk import _select_union, tile_for, topk_pages_ref
 
-__all__ = ["score_pages", "score_pages_ref", "score_topk_pages", "score_topk_pages_ref", "REDUCES"]
+__all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 
 # How the query heads of a KV group are combined: "none" keeps one row per query head (the union
 # policy takes the union of their Top-K later); "max"/"sum" share one score row per KV head.
@@ -53,27 +52,21 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
 # x 32 KV heads give ~2000 programs. Picked on an H200 among 32..128 pages x 2..8 warps (NOTES-kernels.md).
 BLOCK_P = 32
 NUM_WARPS = 4
-# Keys per register tile of the fused Top-K (run by one program of NUM_WARPS warps per KV head).
-TOPK_MAX_TILE = 4096
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr, cnt_ptr, ids_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op,
-    stride_ib, stride_ih, stride_ik,
-    H_KV, P, P_DEAD, KK, K_OUT,
+    H_KV, P, P_DEAD,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
-    USE_TOPK: tl.constexpr, TOPK_ROWS_PAD: tl.constexpr, TOPK_BLOCK_P: tl.constexpr, TOPK_SINGLE: tl.constexpr,
 ):
-    # Page blocks vary fastest in launch order, so KV heads finish one after another and the fused Top-K of
-    # an early head overlaps the scoring of later ones.
-    i_pb = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    i_pb = tl.program_id(1)
     i_b = i_bh // H_KV
     i_h = i_bh % H_KV
     o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -108,50 +101,6 @@ def _score_pages_kernel(
     if REDUCE != 0:
         tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_acc, mask=m_p)
 
-    if USE_TOPK:
-        # The last program of a KV head to finish selects its pages (no second launch): every thread's score
-        # stores are ordered before the ticket by the barrier and the atomic's release, and the winner's
-        # acquire orders its L2 reads (.cg, never a stale L1 line) after all of them.
-        tl.debug_barrier()
-        i_ticket = tl.atomic_add(cnt_ptr + i_bh, 1, sem="acq_rel")
-        if i_ticket == tl.num_programs(0) - 1:
-            ROWS: tl.constexpr = G if REDUCE == 0 else 1
-            _select_union(out_ptr + i_b * stride_ob + i_h * ROWS * stride_oh, stride_oh, stride_op,
-                          ids_ptr + i_b * stride_ib + i_h * stride_ih, stride_ik, P, KK, K_OUT,
-                          N_ROWS=ROWS, GROUP_PAD=TOPK_ROWS_PAD, BLOCK_P=TOPK_BLOCK_P, SINGLE_TILE=TOPK_SINGLE,
-                          CACHE=".cg")
-
-
-def _launch(q, kmin, kmax, seq_len, page_size, window_start, reduce, k):
-    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
-    rows = H * G if reduce == "none" else H
-    out = torch.empty(B, rows, P, dtype=torch.float32, device=q.device)
-    use_topk = k is not None
-    if use_topk:
-        if k < 1:
-            raise ValueError(f"need k >= 1, got {k}")
-        rows_per_head = G if reduce == "none" else 1
-        k_out = min(rows_per_head * k, P)
-        ids = torch.empty(B, H, k_out, dtype=torch.int32, device=q.device)
-        cnt = torch.zeros(B * H, dtype=torch.int32, device=q.device)
-        rows_pad, topk_block, single = tile_for(P, rows_per_head, TOPK_MAX_TILE)
-    else:
-        k_out, ids, cnt, rows_pad, topk_block, single = 0, out, out, 1, 16, True
-    grid = (triton.cdiv(P, BLOCK_P), B * H)
-    _score_pages_kernel[grid](
-        q, kmin, kmax, out, cnt, ids,
-        q.stride(0), q.stride(1), q.stride(2),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
-        kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        ids.stride(0), ids.stride(1), ids.stride(2),
-        H, P, window_start // page_size, min(k or 1, P), k_out,
-        G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce],
-        USE_TOPK=use_topk, TOPK_ROWS_PAD=rows_pad, TOPK_BLOCK_P=topk_block, TOPK_SINGLE=single,
-        num_warps=NUM_WARPS,
-    )
-    return out, ids
-
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none"):
     """Triton twin of `score_pages_ref`.
@@ -160,27 +109,18 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     on D is fastest). Returns a fresh contiguous fp32 `[B, H_q, P]` (`"none"`) or `[B, H_kv, P]`.
     """
     require_triton()
-    return _launch(q, kmin, kmax, seq_len, page_size, window_start, reduce, None)[0]
-
-
-def score_topk_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, k: int, window_start: int = 0,
-                         reduce: str = "none"):
-    """Quest page selection in one call: `topk_pages_ref(score_pages_ref(...), k, group)`.
-
-    `group` is the GQA group size for `reduce="none"` (union of the query heads' Top-K) and 1 for
-    `"max"`/`"sum"`. Returns int32 page ids `[B, H_kv, min(group * k, P)]`, ascending, then -1.
-    """
-    G = q.shape[1] // kmin.shape[1]
-    scores = score_pages_ref(q, kmin, kmax, seq_len, page_size, window_start, reduce)
-    return topk_pages_ref(scores, k, G if reduce == "none" else 1)
-
-
-def score_topk_pages(q, kmin, kmax, seq_len: int, page_size: int, k: int, window_start: int = 0,
-                     reduce: str = "none"):
-    """Triton twin of `score_topk_pages_ref`: one launch (plus a tiny counter memset) for score + Top-K.
-
-    The scores go to an fp32 workspace; the last score program of each KV head to finish (atomic ticket)
-    selects that head's pages as `topk_pages` does (ties to the lowest ids). CUDA-graph capturable.
-    """
-    require_triton()
-    return _launch(q, kmin, kmax, seq_len, page_size, window_start, reduce, k)[1]
+    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
+    rows = H * G if reduce == "none" else H
+    out = torch.empty(B, rows, P, dtype=torch.float32, device=q.device)
+    grid = (B * H, triton.cdiv(P, BLOCK_P))
+    _score_pages_kernel[grid](
+        q, kmin, kmax, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
+        kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        H, P, window_start // page_size,
+        G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce],
+        num_warps=NUM_WARPS,
+    )
+    return out

@@ -54,8 +54,11 @@ BLOCK_N = 32
 NUM_WARPS = 4
 # Programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM latency.
 PROGRAMS_PER_SM = 4
-# The last split of each KV head to finish merges the partials (atomic ticket) instead of a second launch.
-FUSE_MERGE = True
+# With at most this many splits per row, the last split of each KV head to finish merges the partials (atomic
+# ticket, one zeroed int32 per row) instead of a second launch. On an H200 this won at llama2 B=8 (3 splits:
+# 74 vs 91 us) and lost at B=1 (17 splits: 20.9 vs 19.7 us; llama3, 64 splits: 18.3 vs 10.1 us), where the
+# one merging program serialises over many splits (benchmarks/NOTES-kernels.md).
+FUSE_MERGE_MAX_SPLITS = 4
 LOG2E = 1.4426950408889634
 
 
@@ -198,7 +201,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
     page_ids int32 `[B, H_kv, K]`, -1 ignored wherever it sits; valid bool `[B, C]`. Returns a fresh
     `[B, H_q, D]` in q's dtype. Workspace: fp32 partials of `B * H_q * splits * (D + 2)` floats per call and,
-    with FUSE_MERGE, `B * H_kv` int32 tickets (zeroed).
+    with few splits (FUSE_MERGE_MAX_SPLITS), `B * H_kv` int32 tickets (zeroed).
     """
     require_triton()
     B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start)
@@ -208,7 +211,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H * G, splits, D, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H * G, D, dtype=q.dtype, device=q.device)
-    fuse = FUSE_MERGE
+    fuse = splits <= FUSE_MERGE_MAX_SPLITS
     cnt = torch.zeros(B * H, dtype=torch.int32, device=q.device) if fuse else m_part
     valid_u8 = valid.view(torch.uint8)
     block_d = max(16, next_pow2(D))
