@@ -156,7 +156,7 @@ def perplexity_sweep(model, input_ids: torch.Tensor, prefix_len: int, budgets=(6
     if not 0 < prefix_len <= T - 2:
         raise ValueError(f"prefix_len must leave at least 2 tokens to decode: prefix_len={prefix_len}, T={T}")
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, dense_layers=dense_layers, gqa_mode=gqa_mode,
-                       backend=backend)
+                       backend=backend, cuda_graph=False)  # a growing cache: selection hooks run
     configs = [("dense", None, base)] + [(p, b, dataclasses.replace(base, budget=b, policy=p))
                                          for p in policies for b in budgets]
     rows = []
@@ -165,7 +165,7 @@ def perplexity_sweep(model, input_ids: torch.Tensor, prefix_len: int, budgets=(6
         for name, budget, cfg in configs:
             nll = decode_nlls(model, fork_cache(cache, cfg), input_ids[:, prefix_len:], progress)
             mean = float(nll.double().mean())
-            rows.append(dict(name=name if budget is None else f"{name} {budget}", policy=None if budget is None else name,
-                             budget=budget, nll=mean, ppl=math.exp(mean), nlls=nll.tolist()))
+            label, policy = ("dense", None) if budget is None else (f"{name} {budget}", name)
+            rows.append(dict(name=label, policy=policy, budget=budget, nll=mean, ppl=math.exp(mean), nlls=nll.tolist()))
     return dict(prefix_len=prefix_len, decoded=T - prefix_len - 1, page_size=page_size, dense_layers=dense_layers,
                 gqa_mode=gqa_mode, rows=rows)

