@@ -11,15 +11,14 @@ Data: the Hub's THUDM/LongBench, or --data-dir with one <task>.jsonl per task (L
 Writes JSON (--out, with every prediction) and a Markdown report next to it.
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 
 import torch
 from tqdm import tqdm
 
+from _common import environment, model_tag  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.longbench import TASKS, configs_for, evaluate, load_task
 from quest_hf.models import load_model
 
@@ -49,27 +48,6 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap LongBench's generation lengths")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/longbench_<model>.json)")
     return p.parse_args(argv)
-
-
-def model_tag(name):
-    return "smollm2" if name is None else os.path.basename(name.rstrip("/")).lower()
-
-
-def environment(device):
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    machine = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        machine = f"{torch.cuda.get_device_name(device)} ({machine})"
-    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
-                torch=torch.__version__, transformers=transformers.__version__, machine=machine,
-                device=str(device), command="python " + " ".join(sys.argv))
 
 
 def main(argv=None):

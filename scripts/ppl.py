@@ -11,16 +11,15 @@ text made of the Python stdlib's docstrings (no network, deterministic per Pytho
 Writes JSON (--out), a Markdown report and a PNG (ppl against budget) next to it.
 """
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 
 import torch
 from tqdm import tqdm
 
+from _common import environment, model_tag  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.ppl import load_hub_text, perplexity_sweep, stdlib_text
 from quest_hf.models import load_model
 
@@ -48,27 +47,6 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/ppl_<model>.json)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
-
-
-def model_tag(name):
-    return "smollm2" if name is None else os.path.basename(name.rstrip("/")).lower()
-
-
-def environment(device):
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import transformers
-
-    machine = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    if str(device).startswith("cuda") and torch.cuda.is_available():
-        machine = f"{torch.cuda.get_device_name(device)} ({machine})"
-    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
-                torch=torch.__version__, transformers=transformers.__version__, machine=machine,
-                device=str(device), command="python " + " ".join(sys.argv))
 
 
 def get_text(args, min_chars):

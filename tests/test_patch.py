@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import DynamicCache, TextStreamer
 
-from quest_hf import QuestCache, patch_model, patched, unpatch_model
+from quest_hf import QuestCache, patch_model, patched
 from quest_hf.patch import cache_arg_name
 
 from .conftest import left_padded_batch, tiny_model

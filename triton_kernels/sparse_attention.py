@@ -1,7 +1,7 @@
 """Decode attention over the chosen pages only (exact softmax over exactly their valid tokens)."""
 import torch
 
-from ._common import check_cache, check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
+from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
