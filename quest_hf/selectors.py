@@ -59,3 +59,11 @@ def register_selector(name: str, selector: Selector) -> None:
 
 def policy_names() -> tuple[str, ...]:
     return (*SELECTORS, *SPECIAL_POLICIES)
+
+
+# Selectors beyond the paper (docs/selector.md): per-token key codes on the page's min/max grid.
+from .selectors_qcode import QCodeSelector  # noqa: E402
+
+register_selector("qcode", QCodeSelector(bits=2))
+register_selector("qcode1", QCodeSelector(bits=1))
+register_selector("qcode_topp", QCodeSelector(bits=2, top_p=0.9))

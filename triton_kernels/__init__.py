@@ -11,3 +11,6 @@ __all__ = [
     "topk_pages", "topk_pages_ref",
     "sparse_decode_attention", "sparse_decode_attention_ref",
 ]
+from .key_codes import code_scores, code_scores_ref, encode_codes, encode_codes_ref  # noqa: E402
+
+__all__ += ["encode_codes", "encode_codes_ref", "code_scores", "code_scores_ref"]

@@ -4,6 +4,11 @@ from __future__ import annotations
 import math
 
 
+# Bits per key channel and token of the "qcode" selectors (quest_hf/selectors_qcode.py): bits, not bytes of the
+# cache dtype, so their share of the bytes is smaller in fp32 than in fp16.
+CODE_BITS = {"qcode": 2, "qcode_topp": 2, "qcode1": 1}
+
+
 def dense_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int) -> int:
     return seq_len * kv_heads * 2 * head_dim * elt
 
@@ -14,13 +19,18 @@ def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int
 
     `pages_read`: pages actually read over all KV heads (from the selection), for quest/streaming.
     quest: every page's min/max (2 * D per KV head) + the chosen pages' K and V. streaming: chosen K/V
-    only. oracle: every key + the values of at most `group * budget` tokens per KV head. dense: all K/V.
+    only. qcode*: quest's metadata + every token's `bits * D / 8` code bytes + the current page's keys
+    (scored exactly) + the chosen pages' K and V. oracle: every key + the values of at most `group * budget` tokens per KV head. dense: all K/V.
     """
     page = page_size * 2 * head_dim * elt
     if policy == "dense" or seq_len <= budget:
         return dense_bytes(seq_len, kv_heads, head_dim, elt)
     if policy == "quest":
         return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + pages_read * page
+    if policy in CODE_BITS:  # quest's min/max + every token's codes + the exact current page + chosen K/V
+        codes = math.ceil(seq_len * head_dim * CODE_BITS[policy] / 8) * kv_heads
+        current = kv_heads * page_size * head_dim * elt
+        return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + codes + current + pages_read * page
     if policy == "streaming":
         return pages_read * page
     if policy == "oracle":

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+"""Per-layer decode step of each page selector (select + sparse_decode_attention) vs plain quest, on the GPU.
+
+One sparse layer of a real model shape holds `--length` random fp16 tokens in a QuestCache layer (the
+selectors' own code buffers built by their append path). A step is exactly what the patched attention runs
+per layer and token: `SELECTORS[policy].select(layer, q, 0)` then `layer.ops.sparse_decode_attention`. It is
+captured once as a CUDA graph and replayed; each replay is timed by CUDA events, the median reported, with
+the bytes the step reads (quest_hf.eval.accounting, from the pages actually chosen) and achieved GB/s. The
+selection alone (`select`) is timed the same way, and dense SDPA over the whole context as the reference.
+
+    python scripts/bench_selector.py                    # GPU: 32K, budget 2048, llama2-7b and llama3-8b layers
+    python scripts/bench_selector.py --tiny             # CPU smoke test (torch path, small sizes, wall clock)
+
+Writes bench_selector.json and bench_selector.md to $OUT (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quest_hf import QuestCache, QuestConfig  # noqa: E402
+from quest_hf.eval.accounting import dense_bytes, step_bytes  # noqa: E402
+from quest_hf.selectors import SELECTORS  # noqa: E402
+
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # H_q, H_kv, D
+TINY_SHAPES = {"tiny-mha": (4, 4, 64), "tiny-gqa": (8, 2, 64)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--length", type=int, default=32768)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--policies", nargs="+", default=["quest", "qcode", "qcode1", "qcode_topp"])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replay")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: 1K tokens, budget 128, small heads, torch path")
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks"), help="output folder (default $OUT)")
+    return p.parse_args(argv)
+
+
+def build_layer(policy, Hq, H, D, L, budget, S, device, dtype, backend, seed=0):
+    """A one-layer QuestCache holding L random tokens (keys with outlier channels, like real models)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cfg = QuestConfig(budget=budget, page_size=S, dense_layers=0, backend=backend, policy=policy, cuda_graph=False)
+    cache = QuestCache(cfg, num_layers=1)
+    chan = torch.logspace(-1, 0.7, D)[torch.randperm(D, generator=g)]
+    keys = (torch.randn(1, H, L, D, generator=g) * chan).to(device, dtype)
+    vals = torch.randn(1, H, L, D, generator=g).to(device, dtype)
+    cache.begin_step(None, L)
+    layer = cache.layers[0]
+    chunk = 8192  # the prefill appends in chunks, as a chunked prefill would
+    for t in range(0, L, chunk):
+        layer.update(keys[:, :, t:t + chunk], vals[:, :, t:t + chunk])
+    q = (torch.randn(1, Hq, D, generator=g) * chan).to(device, dtype)
+    return cache, layer, q
+
+
+def step_fn(policy, layer, q, scale, with_attention=True):
+    sel = SELECTORS[policy]
+    S = layer.page_size
+
+    def step():
+        ids = sel.select(layer, q, 0)
+        if not with_attention:
+            return ids
+        return ids, layer.ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.valid, layer.seq_len,
+                                                      S, scale, 0)
+    return step
+
+
+def time_cuda(fn, warmup, iters, graph):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+        for _ in range(5):
+            run()
+    else:
+        run = fn
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def time_cpu(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def time_dense(Hq, H, D, L, device, dtype, cuda, args):
+    """Dense reference: SDPA of one decode query over the whole context (GQA by repeated KV heads)."""
+    k = torch.randn(1, H, L, D, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(1, Hq, 1, D, device=device, dtype=dtype)
+
+    def dense():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != H)
+    if cuda:
+        return time_cuda(dense, args.warmup, args.iters, not args.no_graph)
+    return time_cpu(dense, args.warmup, args.iters)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.tiny
+    if not cuda and not args.tiny:
+        sys.exit("no CUDA device: run with --tiny for the CPU smoke test")
+    if args.tiny:
+        args.length, args.budget = min(args.length, 1024), min(args.budget, 128)
+        args.warmup, args.iters = 2, 5
+        shapes = TINY_SHAPES
+    else:
+        shapes = {k: SHAPES[k] for k in args.shapes}
+    device, dtype = ("cuda", torch.float16) if cuda else ("cpu", torch.float32)
+    backend = "auto" if cuda else "torch"
+    elt = 2 if cuda else 4
+    L, S = args.length, args.page_size
+    rows = []
+    for shape, (Hq, H, D) in shapes.items():
+        scale = D ** -0.5
+        t_dense = time_dense(Hq, H, D, L, device, dtype, cuda, args)
+        base_bytes = dense_bytes(L, H, D, elt)
+        rows.append(dict(shape=shape, policy="dense (SDPA)", us=t_dense, select_us=None, bytes=base_bytes,
+                         pages_per_kv_head=None))
+        for policy in args.policies:
+            cache, layer, q = build_layer(policy, Hq, H, D, L, args.budget, S, device, dtype, backend)
+            full, sel_only = step_fn(policy, layer, q, scale), step_fn(policy, layer, q, scale, with_attention=False)
+            ids, _ = full()
+            if cuda:
+                t = time_cuda(full, args.warmup, args.iters, not args.no_graph)
+                t_sel = time_cuda(sel_only, args.warmup, args.iters, not args.no_graph)
+            else:
+                t, t_sel = time_cpu(full, args.warmup, args.iters), time_cpu(sel_only, args.warmup, args.iters)
+            pages = int((ids >= 0).sum())
+            nbytes = step_bytes(policy, L, H, D, elt, S, pages, args.budget, Hq // H)
+            rows.append(dict(shape=shape, policy=policy, us=t, select_us=t_sel, bytes=nbytes,
+                             pages_per_kv_head=pages / H, backend=layer.ops.name))
+            del cache, layer
+            if cuda:
+                torch.cuda.empty_cache()
+        for r in rows:
+            if r["shape"] == shape:
+                r["ratio_to_dense"] = r["us"] / t_dense
+                r["gbps"] = r["bytes"] / (r["us"] * 1e-6) / 1e9
+                r["bytes_frac"] = r["bytes"] / base_bytes
+    device_name = torch.cuda.get_device_name() if cuda else "cpu (torch path, --tiny)"
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name, length=L,
+                budget=args.budget, page_size=S, dtype=str(dtype), graph=cuda and not args.no_graph,
+                timing="CUDA events, median of %d replays" % args.iters if cuda else "wall clock median (CPU)",
+                torch=torch.__version__, command="python scripts/bench_selector.py " + " ".join(argv or sys.argv[1:]))
+    md = ["# Selector decode step per layer (select + sparse attention)\n"] + [f"- {k}: {v}" for k, v in meta.items()]
+    md += ["", "| shape | policy | step us | select us | x dense | pages/KV head | bytes frac | GB/s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sel = "-" if r["select_us"] is None else f"{r['select_us']:.1f}"
+        pages = "-" if r["pages_per_kv_head"] is None else f"{r['pages_per_kv_head']:.1f}"
+        md.append(f"| {r['shape']} | {r['policy']} | {r['us']:.1f} | {sel} | {r['ratio_to_dense']:.2f} | {pages} | "
+                  f"{r['bytes_frac']:.3f} | {r['gbps']:.0f} |")
+    text = "\n".join(md)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "bench_selector_tiny" if args.tiny else "bench_selector"
+    (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    (out / f"{name}.md").write_text(text + "\n")
+    print(f"wrote {out / name}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

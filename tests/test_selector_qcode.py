@@ -1,0 +1,227 @@
+"""The "qcode" selector (quest_hf/selectors_qcode.py) and its kernels (triton_kernels/key_codes.py)."""
+import dataclasses
+
+import pytest
+import torch
+
+import triton_kernels as tk
+from quest_hf import QuestCache, QuestConfig, patch_model
+from quest_hf.config import QuestConfig as _QC
+from quest_hf.patch import cache_arg_name
+from quest_hf.selectors import SELECTORS, register_selector
+from quest_hf.selectors_qcode import QCodeSelector, top_p_scores
+
+from .conftest import tiny_model
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+TOL = {F32: (1e-4, 1e-4), F16: (2e-3, 2e-3), BF16: (2e-2, 2e-2)}
+
+
+def assert_close(actual, expected, dtype=F32):
+    assert not actual.isnan().any(), "NaN in the kernel's output"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=False)
+
+
+def filled_layer(B, H, D, S, lengths, dtype, extra=0, seed=0, policy="qcode", backend="torch"):
+    """One QuestLayer holding a left-padded prefill (`lengths` real tokens per row) + `extra` decode appends."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = QuestConfig(budget=2 * S, page_size=S, dense_layers=0, backend=backend, policy=policy)
+    cache = QuestCache(cfg, num_layers=1)
+    T = max(lengths)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, T - n:] = 1
+    layer = cache.layers[0]
+    # Channel scales spread over 30x, like the outlier channels of real keys.
+    chan = torch.logspace(-1, 0.5, D)[torch.randperm(D, generator=g)]
+    cache.begin_step(mask, T)
+    layer.update((torch.randn(B, H, T, D, generator=g) * chan).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype))
+    for i in range(extra):
+        cache.begin_step(torch.ones(B, T + i + 1), 1)
+        layer.update((torch.randn(B, H, 1, D, generator=g) * chan).to(dtype), torch.randn(B, H, 1, D, generator=g).to(dtype))
+    return cache, layer
+
+
+def unpack(codes, bits):
+    per = 8 // bits
+    return ((codes.long()[..., None] >> (torch.arange(per) * bits)) & ((1 << bits) - 1)).flatten(-2)
+
+
+def nan_empty(real_empty):
+    def empty(*shape, dtype=None, device=None, **kw):
+        t = real_empty(*shape, dtype=dtype, device=device, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(0x5A)
+    return empty
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+CASES = [  # B, Hq, Hkv, D, S, lengths, extra, window_start, bits, dtype
+    pytest.param(1, 1, 1, 16, 4, (1,), 0, 0, 2, F32, id="len1-G1"),
+    pytest.param(1, 3, 1, 64, 16, (15,), 0, 0, 2, F16, id="len15-G3"),
+    pytest.param(2, 9, 3, 64, 16, (17, 5), 0, 0, 2, F32, id="len17-G3-ragged"),
+    pytest.param(2, 8, 2, 32, 8, (70, 30), 3, 0, 1, F16, id="pad-pages-G4-1bit"),
+    pytest.param(1, 8, 1, 128, 16, (97,), 2, 40, 4, BF16, id="window-G8-4bit"),
+    pytest.param(1, 4, 4, 64, 16, (200,), 5, 0, 2, F16, id="len205-G1"),
+]
+
+
+@pytest.mark.parametrize("B, Hq, Hkv, D, S, lengths, extra, ws, bits, dtype", CASES)
+def test_encode_matches_reference(B, Hq, Hkv, D, S, lengths, extra, ws, bits, dtype):
+    _, layer = filled_layer(B, Hkv, D, S, lengths, dtype, extra)
+    full = layer.seq_len // S
+    C = layer.capacity
+    mine = torch.full((B, Hkv, C, D * bits // 8), 0xA5, dtype=torch.uint8)
+    ref = mine.clone()
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, ref, 0, full, bits)
+    tk.encode_codes(layer.keys, layer.kmin, layer.kmax, mine, 0, full, bits)
+    # Exact but for values on a rounding tie, where the kernel's fp32 may land one level off.
+    a, b = unpack(mine[:, :, :full * S], bits), unpack(ref[:, :, :full * S], bits)
+    assert a.numel() == 0 or ((a - b).abs().max() <= 1 and (a != b).float().mean() < 1e-3)
+    assert (mine[:, :, full * S:] == 0xA5).all(), "wrote past the pages asked for"
+
+
+@pytest.mark.parametrize("mode", ["max", "lse"])
+@pytest.mark.parametrize("B, Hq, Hkv, D, S, lengths, extra, ws, bits, dtype", CASES)
+def test_code_scores_match_reference(B, Hq, Hkv, D, S, lengths, extra, ws, bits, dtype, mode, monkeypatch):
+    _, layer = filled_layer(B, Hkv, D, S, lengths, dtype, extra)
+    L = layer.seq_len
+    ws = min(ws, L - 1)
+    codes = torch.zeros(B, Hkv, layer.capacity, D * bits // 8, dtype=torch.uint8)
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, codes, 0, L // S, bits)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    args = (q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, L, S, ws, bits, mode, D ** -0.5)
+    ref = tk.code_scores_ref(*args)
+    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
+    mine = tk.code_scores(*args)
+    monkeypatch.undo()
+    assert mine.shape == ref.shape == (B, Hq, -(-L // S))
+    fin = ref.isfinite()
+    assert torch.equal(fin, mine.isfinite()) and torch.equal(ref[~fin], mine[~fin])
+    assert_close(mine[fin], ref[fin], F32)
+
+
+def test_codes_track_keys_better_than_the_bound():
+    """2-bit codes on the page grid estimate q.k within a quarter of the page's range per channel."""
+    _, layer = filled_layer(1, 2, 64, 16, (256,), F32)
+    codes = torch.zeros(1, 2, layer.capacity, 16, dtype=torch.uint8)
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, codes, 0, 16, 2)
+    q = torch.randn(1, 2, 64)
+    est = tk.code_scores_ref(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, 256, 16)[..., :-1]
+    true = torch.einsum("bhd,bhnd->bhn", q, layer.keys[:, :, :256]).reshape(1, 2, 16, 16).amax(-1)[..., :-1]
+    bound = tk.score_pages_ref(q, layer.kmin, layer.kmax, 256, 16)[..., :-1]
+    assert (est - true).abs().mean() < 0.5 * (bound - true).abs().mean()
+
+
+# --------------------------------------------------------------------------------------------- selector
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chosen_pages_hold_current_page_and_never_padding_only(backend):
+    cache, layer = filled_layer(2, 2, 32, 8, (70, 30), F32, extra=3, backend=backend)
+    cfg = dataclasses.replace(layer.config, budget=24)
+    for name in ("qcode", "qcode1", "qcode_topp") if backend == "torch" else ("qcode_topp",):
+        c = cache.copy(dataclasses.replace(cfg, policy=name))
+        lay = c.layers[0]
+        q = torch.randn(2, 6, 32)
+        ids = SELECTORS[name].select(lay, q, 0)
+        L, S = lay.seq_len, 8
+        assert ids.dtype == torch.int32 and ids.shape[:2] == (2, 2)
+        empty = ~lay.valid[:, : -(-L // S) * S].reshape(2, -1, S).any(-1)  # [B, P]
+        for b in range(2):
+            for h in range(2):
+                chosen = ids[b, h][ids[b, h] >= 0].tolist()
+                assert (L - 1) // S in chosen
+                assert len(set(chosen)) == len(chosen)
+                assert not any(empty[b, p] for p in chosen), f"{name} chose a padding-only page"
+
+
+def test_topp_picks_fewer_pages_when_attention_is_concentrated():
+    S, D = 16, 64
+    cache, layer = filled_layer(1, 1, D, S, (512,), F32, extra=1)
+    cfg = dataclasses.replace(layer.config, budget=256, policy="qcode_topp")  # at most 16 pages
+    sel = SELECTORS["qcode_topp"]
+    g = torch.Generator().manual_seed(3)
+    spread = cache.copy(cfg)
+    spread.layers[0].keys[:, :, :513] = 0.01 * torch.randn(1, 1, 513, D, generator=g)  # flat attention
+    peaked = cache.copy(cfg)
+    q = torch.randn(1, 1, D, generator=g)
+    peaked.layers[0].keys[:, :, 200] = 40 * q[:, 0] / q.norm()  # one token takes nearly all the mass
+    for c in (spread, peaked):  # rebuild min/max and codes from the edited keys
+        lay = c.layers[0]
+        lay.kmin.fill_(float("inf")), lay.kmax.fill_(float("-inf"))
+        k = lay.keys[:, :, :513].clone()
+        lay.valid.zero_()
+        c.begin_step(None, 513)
+        lay.ops.append_kv(lay.keys, lay.values, lay.kmin, lay.kmax, lay.valid, k, lay.values[:, :, :513].clone(), None, 0)
+        lay.side.clear()
+    n_spread = int((sel.select(spread.layers[0], q, 0) >= 0).sum())
+    ids = sel.select(peaked.layers[0], q, 0)
+    n_peaked = int((ids >= 0).sum())
+    assert 200 // S in ids.tolist()[0][0]
+    assert n_peaked <= 3 < n_spread == 16
+
+
+def test_top_p_scores_cut():
+    lm = torch.log(torch.tensor([[[0.5, 0.3, 0.1, 0.05, 0.05]]]))
+    s = top_p_scores(lm, 0.7, k=4)  # current page (0.05) forced; 0.5 + 0.3 reach 0.7
+    assert (s > float("-inf")).sum() == 3 and s[0, 0, -1] == float("inf")
+    assert (top_p_scores(lm, 1.0, k=2) > float("-inf")).sum() == 3  # capped at k, + the current page
+
+
+def test_codes_built_lazily_after_copy_from_quest_equal_incremental():
+    _, inc = filled_layer(1, 2, 64, 16, (100,), F32, extra=30, policy="qcode")
+    cache, _ = filled_layer(1, 2, 64, 16, (100,), F32, extra=30, policy="quest")
+    lazy = cache.copy(dataclasses.replace(cache.quest_config, policy="qcode")).layers[0]
+    assert "qcode2" not in lazy.side
+    q = torch.randn(1, 6, 64)
+    assert torch.equal(SELECTORS["qcode"].select(lazy, q, 0), SELECTORS["qcode"].select(inc, q, 0))
+    full = inc.seq_len // 16 * 16
+    assert torch.equal(lazy.side["qcode2"][:, :, :full], inc.side["qcode2"][:, :, :full])
+
+
+@pytest.fixture
+def topp_all():
+    """A top-p variant that must keep every page with any mass (p = 1)."""
+    register_selector("qcode_topp_all", QCodeSelector(top_p=1.0))
+    yield
+    SELECTORS.pop("qcode_topp_all")
+
+
+@pytest.mark.parametrize("policy, backend", [("qcode", "torch"), ("qcode1", "torch"), ("qcode_topp_all", "torch"),
+                                             ("qcode", "triton")])
+def test_patched_model_equals_dense_when_every_page_fits(policy, backend, monkeypatch, topp_all):
+    """Budget below the context (the sparse path runs) but Top-K wide enough for every page: exact dense."""
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 97, (2, 83), generator=g)
+    mask = torch.ones(2, 83, dtype=torch.long)
+    mask[1, :37] = 0  # left padding over whole pages
+    base = QuestConfig(budget=1 << 20, page_size=8, dense_layers=0, backend="torch")
+    patch_model(model, config=base)
+    arg = cache_arg_name(model)
+    cache = QuestCache.from_model(model)
+    with torch.no_grad():
+        model(input_ids=ids[:, :80], attention_mask=mask[:, :80], **{arg: cache})
+    dense = cache.copy()
+    sparse = cache.copy(dataclasses.replace(base, budget=16, policy=policy, backend=backend))
+    calls = []
+    sparse.selection_hooks.append(lambda i, q, p: calls.append(int((p >= 0).sum())))
+    monkeypatch.setattr(_QC, "num_pages", property(lambda self: 1 << 10))
+    outs = []
+    for c in (dense, sparse):
+        with torch.no_grad():
+            logits = []
+            for t in range(80, 82):
+                logits.append(model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **{arg: c}).logits)
+        outs.append(torch.cat(logits, 1))
+    assert calls, "the sparse path never ran"
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        QCodeSelector(bits=3)
+    with pytest.raises(ValueError):
+        QCodeSelector(top_p=0.0)
+    _, layer = filled_layer(1, 1, 16, 4, (9,), F32)
+    with pytest.raises(ValueError):
+        tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, torch.zeros(1, 1, layer.capacity, 3, dtype=torch.uint8), 0, 2)
