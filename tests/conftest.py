@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random HF models of each supported family, and the real SmolLM2-135M."""
+import contextlib
 import importlib.util
 import os
 
@@ -66,3 +67,20 @@ def smollm2():
     from quest_hf.models import load_smollm2
 
     return load_smollm2()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny models run on one intra-op thread: more only add overhead at these sizes (20x on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture
+def single_thread():
+    with one_thread():
+        yield

@@ -1,5 +1,4 @@
 """quest_hf.eval.longbench: LongBench metrics on known strings, prompt building, and the whole loop on a fixture."""
-import contextlib
 import os
 import sys
 
@@ -10,26 +9,9 @@ from quest_hf.eval import longbench as lb
 from quest_hf.eval.longbench import (MAX_NEW_TOKENS, PROMPTS, TASKS, build_inputs, configs_for, evaluate, load_task,
                                      normalize_answer, qa_f1_score, rouge_l_score, score_task, truncate_middle)
 
-from .conftest import tiny_model
+from .conftest import one_thread, tiny_model
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "longbench")
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models run on one intra-op thread: more only add overhead at these sizes (20x on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.fixture
-def single_thread():
-    with one_thread():
-        yield
 
 
 def byte_tokenizer():

@@ -1,5 +1,4 @@
 """quest_hf.eval.ppl: token-by-token perplexity after a dense prefix, against one unpatched forward."""
-import contextlib
 import math
 
 import pytest
@@ -10,23 +9,6 @@ from quest_hf.eval import ppl as ppl_mod
 from quest_hf.eval.ppl import fork_cache, perplexity_sweep, prefill_cache, stdlib_text, step_tokens
 
 from .conftest import tiny_model
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models run on one intra-op thread: more only add overhead at these sizes (20x on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.fixture
-def single_thread():
-    with one_thread():
-        yield
 
 
 def reference_nlls(model, ids, prefix_len):

@@ -1,5 +1,4 @@
 """quest_hf.eval.recall: selection recall per layer, on hand-made sets, tiny random models and SmolLM2."""
-import contextlib
 
 import pytest
 import torch
@@ -11,24 +10,7 @@ from quest_hf.eval.passkey import make_case
 from quest_hf.eval.recall import (find_token_positions, measure_recall, oracle_token_sets, page_token_sets,
                                   top_recall, true_top_tokens)
 
-from .conftest import tiny_model
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models run on one intra-op thread: more only add overhead at these sizes (20x on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-@pytest.fixture
-def single_thread():
-    with one_thread():
-        yield
+from .conftest import one_thread, tiny_model
 
 
 def test_page_token_sets_expand_pages_and_mask_unused_invalid_and_window():
