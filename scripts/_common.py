@@ -27,3 +27,19 @@ def environment(device):
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
                 torch=torch.__version__, transformers=transformers.__version__, machine=machine,
                 device=str(device), command="python " + " ".join(sys.argv))
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def ints(s: str) -> list[int]:
+    """`"64,128"` -> `[64, 128]`."""
+    return [int(x) for x in s.split(",") if x]
+
+
+def add_model_args(p) -> None:
+    """The model / device / dtype / threads arguments every evaluation script takes."""
+    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M-Instruct, offline)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")

@@ -18,20 +18,15 @@ import sys
 import torch
 from tqdm import tqdm
 
-from _common import environment, model_tag  # scripts/_common.py (the script's folder is on sys.path)
+from _common import DTYPES, add_model_args, environment, ints, model_tag  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.longbench import TASKS, configs_for, evaluate, load_task
 from quest_hf.models import load_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M-Instruct, offline)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")
+    add_model_args(p)
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list (default: {','.join(TASKS)})")
     p.add_argument("--data-dir", default=None, help="folder of <task>.jsonl files (default: the Hub)")
     p.add_argument("--limit", type=int, default=None, help="first N examples per task")

@@ -19,20 +19,15 @@ import sys
 import torch
 from tqdm import tqdm
 
-from _common import environment, model_tag  # scripts/_common.py (the script's folder is on sys.path)
+from _common import DTYPES, add_model_args, environment, ints, model_tag  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.ppl import load_hub_text, perplexity_sweep, stdlib_text
 from quest_hf.models import load_model
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M-Instruct, offline)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")
+    add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text-file", default=None, help="UTF-8 text file to score")
     src.add_argument("--dataset", default=None, help="Hub dataset with a 'text' field ('pg19': emozilla/pg19-test)")

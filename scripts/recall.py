@@ -17,22 +17,17 @@ import os
 import torch
 from tqdm import tqdm
 
-from _common import environment, model_tag  # scripts/_common.py (the script's folder is on sys.path)
+from _common import DTYPES, add_model_args, environment, ints, model_tag  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.passkey import answer_digits, make_case
 from quest_hf.eval.recall import POLICIES, find_token_positions, measure_recall, num_runs
 from quest_hf.models import load_model
 
 ORDER = ("quest", "oracle", "streaming")  # table cells and plots
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M-Instruct, offline)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")
+    add_model_args(p)
     p.add_argument("--lengths", type=ints, default=[4096, 8192], help="prompt lengths in tokens (default 4096,8192)")
     p.add_argument("--budgets", type=ints, default=[64, 128, 256, 512, 1024], help="token budgets")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list of quest,streaming,oracle")
