@@ -27,6 +27,9 @@ class QuestConfig:
             cost of ~150 kernels), except with beam search or sliding-window layers, which keep the
             growing cache. `True`: always (refusing what it cannot do; a CPU model runs the same
             fixed-shape step uncaptured). `False`: never.
+        compile_decode: `True`: one-token CUDA forwards run the model's norms and MLPs through
+            `torch.compile` (fusing HF's elementwise code, as its compiled static path does); the first
+            decode step pays the compile (tens of seconds). `False` (default): plain eager modules.
         policy: `"quest"` (default); `"streaming"` (first page + most recent pages, query-agnostic
             baseline) and `"oracle"` (top-budget tokens by exact q.k per head; reads every key, for
             evaluation only) go through the same decode path for comparisons.
@@ -39,6 +42,7 @@ class QuestConfig:
     backend: str = "auto"
     policy: str = "quest"
     cuda_graph: bool | str = "auto"
+    compile_decode: bool = False
 
     def __post_init__(self):
         for name in ("budget", "page_size", "dense_layers"):
@@ -67,6 +71,8 @@ class QuestConfig:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
+        if not isinstance(self.compile_decode, bool):
+            raise TypeError(f"compile_decode must be True or False, got {self.compile_decode!r}")
         if self.cuda_graph is True and self.policy != "quest":
             raise ValueError(f"cuda_graph=True runs the quest policy only, got policy={self.policy!r}")
 

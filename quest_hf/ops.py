@@ -19,6 +19,7 @@ class Ops:
     score_pages: Callable
     topk_pages: Callable
     sparse_decode_attention: Callable
+    append_token_at: Callable  # one decode token at a device position (the captured static cache)
 
 
 def _on_tensor_device(fn):
@@ -34,9 +35,10 @@ def _on_tensor_device(fn):
     return launch
 
 
-TORCH = Ops("torch", tk.append_kv_ref, tk.score_pages_ref, tk.topk_pages_ref, tk.sparse_decode_attention_ref)
+TORCH = Ops("torch", tk.append_kv_ref, tk.score_pages_ref, tk.topk_pages_ref, tk.sparse_decode_attention_ref,
+            tk.append_token_at_ref)
 TRITON = Ops("triton", *(_on_tensor_device(f) for f in (tk.append_kv, tk.score_pages, tk.topk_pages,
-                                                          tk.sparse_decode_attention)))
+                                                          tk.sparse_decode_attention, tk.append_token_at)))
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

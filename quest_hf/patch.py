@@ -20,6 +20,7 @@ from transformers.utils import logging
 from .attention import NAME, quest_attention_forward
 from .cache import QuestCache
 from .config import QuestConfig
+from .fuse import compile_decode_modules, restore
 
 logger = logging.get_logger("quest_hf")
 
@@ -46,6 +47,7 @@ class _PatchState:
     attention_modules: list = field(default_factory=list)
     cache: QuestCache | None = None  # the cache of the forward in flight
     shadowed: dict = field(default_factory=dict)  # instance attributes we replaced (accelerate sets `forward`)
+    compiled_modules: list = field(default_factory=list)  # norms/MLPs given a decode-only compiled forward
 
 
 def _set_instance_attr(model, state: _PatchState, name: str, value):
@@ -184,6 +186,7 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     state = getattr(model, "_quest_state", None)
     if state is not None:
         state.config = config
+        _set_compiled(model, state)
         logger.info(f"quest-hf: re-configured {model_type} with {config}")
         return model
 
@@ -209,8 +212,18 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     if hasattr(model, "generate"):
         _wrap_generate(model, state)
     _wrap_forward(model, state)
+    _set_compiled(model, state)
     logger.info(f"quest-hf: patched {model_type} ({state.num_layers} layers) with {config}")
     return model
+
+
+def _set_compiled(model, state: _PatchState) -> None:
+    """Wrap or unwrap the decode-only compiled norms/MLPs to match `config.compile_decode`."""
+    if state.config.compile_decode and not state.compiled_modules:
+        state.compiled_modules = compile_decode_modules(model)
+    elif not state.config.compile_decode and state.compiled_modules:
+        restore(state.compiled_modules)
+        state.compiled_modules = []
 
 
 def unpatch_model(model):
@@ -218,6 +231,7 @@ def unpatch_model(model):
     state = model.__dict__.pop("_quest_state", None)
     if state is None:
         return model
+    restore(state.compiled_modules)
     for h in state.handles:
         h.remove()
     for m in state.attention_modules:

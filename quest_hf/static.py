@@ -5,7 +5,8 @@ whole one-token forward is captured once per cache as a CUDA graph and replayed,
 shapes and no host state inside the step:
 - storage is allocated once for `max_length` tokens (fixed addresses; a cache continued past it grows
   and its graph is captured again);
-- each layer keeps its write position `pos` as a device tensor; a decode append is four index ops;
+- each layer keeps its write position `pos` as a device tensor; a decode append is one kernel reading it
+  (`append_token_at`; index ops on the PyTorch path);
 - selection scores every page of the capacity (unwritten pages are empty: `-inf`), forces the current
   page `(pos - 1) // S` with a device op, and chooses `K + 1` pages: the kernels' own forced page is the
   last capacity page, a spare page past `max_length` that is never written, so it costs no token;
@@ -65,19 +66,7 @@ class StaticQuestLayer(QuestLayer):
         return self.keys, self.values
 
     def _append_one(self, k, v, valid_new):
-        S, idx = self.page_size, self.pos.view(1)
-        page = torch.div(idx, S, rounding_mode="floor")
-        self.keys.index_copy_(2, idx, k.to(self.dtype))
-        self.values.index_copy_(2, idx, v.to(self.dtype))
-        lo, hi = k, k
-        if valid_new is not None:  # a padded new token leaves the page's bounds untouched
-            keep = valid_new.view(-1, 1, 1, 1)
-            lo, hi = torch.where(keep, k, float("inf")), torch.where(keep, k, float("-inf"))
-            self.valid.index_copy_(1, idx, valid_new.view(-1, 1))
-        else:
-            self.valid.index_fill_(1, idx, True)
-        self.kmin.index_copy_(2, page, torch.minimum(self.kmin.index_select(2, page), lo.to(self.dtype)))
-        self.kmax.index_copy_(2, page, torch.maximum(self.kmax.index_select(2, page), hi.to(self.dtype)))
+        self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.valid, k, v, valid_new, self.pos)
         self.pos += 1
 
     def get_max_length(self) -> int:

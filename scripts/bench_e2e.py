@@ -9,7 +9,8 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   static      HF static cache + generate's automatic compile (CUDA graphs)
   quest       patch_model(budget) (growing QuestCache, Triton kernels on CUDA)
   quest_graph patch_model(budget, cuda_graph=True) (static QuestCache, decode step replayed as a CUDA graph)
-The greedy tokens of quest_graph are compared with those of quest (same budget): `same_as_quest`.
+  quest_graph_c  the same with compile_decode=True (norms and MLPs through torch.compile, then captured)
+The greedy tokens of the captured paths are compared with those of quest (same budget): `same_as_quest`.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
     python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
@@ -110,7 +111,8 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--batches", type=int, nargs="+", default=[1])
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
-    p.add_argument("--methods", nargs="+", default=["dense", "static", "quest", "quest_graph"], choices=["dense", "static", "quest", "quest_graph"])
+    p.add_argument("--methods", nargs="+", default=["dense", "static", "quest", "quest_graph", "quest_graph_c"],
+                   choices=["dense", "static", "quest", "quest_graph", "quest_graph_c"])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -124,8 +126,8 @@ def main(argv=None):
             for B in args.batches:
                 ids = torch.randint(1, model.config.vocab_size, (B, L), device=device,
                                     generator=torch.Generator(device).manual_seed(L))
-                runs = [(m, None) for m in args.methods if not m.startswith("quest")]
-                runs += [(m, b) for b in args.budgets for m in ("quest", "quest_graph") if m in args.methods]
+                # In the order given: a slow method (static's compile at 64K) can go last and be cut short.
+                runs = [(m, b) for m in args.methods for b in (args.budgets if m.startswith("quest") else [None])]
                 tokens = {}
                 for method, budget in runs:
                     kw = {}
@@ -133,8 +135,9 @@ def main(argv=None):
                         kw = dict(cache_implementation="static")
                     elif method == "dense":
                         kw = dict(disable_compile=True)
+                    graph = method.startswith("quest_graph")
                     if method.startswith("quest"):
-                        patch_model(model, budget=budget, cuda_graph=method == "quest_graph")
+                        patch_model(model, budget=budget, cuda_graph=graph, compile_decode=method == "quest_graph_c")
                     try:
                         prefill, step, peak, out = measure(model, ids, args.new_tokens, device, **kw)
                         err = None
@@ -144,21 +147,35 @@ def main(argv=None):
                     tokens[(method, budget)] = out
                     same = None
                     replay = replay_ms(model, ids, args.new_tokens, device) if (
-                        method == "quest_graph" and err is None and device.type == "cuda") else None
-                    if method == "quest_graph" and out is not None and tokens.get(("quest", budget)) is not None:
+                        graph and err is None and device.type == "cuda") else None
+                    if graph and out is not None and tokens.get(("quest", budget)) is not None:
                         same = bool(torch.equal(out, tokens[("quest", budget)]))
                     row = dict(shape=shape, length=L, batch=B, method=method, budget=budget, prefill_s=prefill,
                                step_ms=step * 1e3, tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, graph_replay_ms=replay, error=err)
+                    if method == "quest_graph_c":  # proof that the compiled modules ran, and how often dynamo compiled
+                        from torch._dynamo.utils import counters
+                        row["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
+                        wrapped = model._quest_state.compiled_modules
+                        row["compiled_calls"] = sum(getattr(m, "_quest_compiled_calls", 0) for m in wrapped)
+                        row["compiled_rotary_calls"] = sum(m.apply_rotary_pos_emb.compiled_calls for m in wrapped
+                                                           if not isinstance(m, torch.nn.Module))
+                    rows.append(row)
                     if method.startswith("quest"):
                         unpatch_model(model)
-                    rows.append(row)
                     print(json.dumps(row), flush=True)
+                    write(args, rows)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    print(write(args, rows))
+
+
+def write(args, rows) -> str:
+    """Table + JSON of the rows so far (written after every row: a run cut short keeps what it measured)."""
+    device = torch.device(args.device)
     best_dense = {}
     for r in rows:
         if r["method"] in ("dense", "static") and r["step_ms"] == r["step_ms"]:
@@ -175,8 +192,7 @@ def main(argv=None):
                      f"{'' if r['graph_replay_ms'] is None else format(r['graph_replay_ms'], '.2f')} |"
                      + (f" {r['error']}" if r["error"] else ""))
     md = "\n".join(lines)
-    print(md)
-    meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(argv or sys.argv[1:]),
+    meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, transformers=transformers.__version__, dtype=args.dtype,
                 new_tokens=args.new_tokens)
@@ -185,6 +201,7 @@ def main(argv=None):
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     out.with_suffix(".md").write_text("# End-to-end decode\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items())
                                       + "\n\n" + md + "\n")
+    return md
 
 
 if __name__ == "__main__":

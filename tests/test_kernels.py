@@ -106,6 +106,33 @@ def test_append_matches_reference_and_recomputed_metadata(B, H, D, S, T, steps, 
             assert torch.isinf(kmin[b, :, p]).all() and (kmin[b, :, p] > 0).all() and (kmax[b, :, p] < 0).all()
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_append_token_at_device_position_matches_append_kv(dtype):
+    # The captured decode's append: one token at a device position, padded rows, page boundaries crossed, and
+    # stale bounds (garbage, as after a crop) in the page a write opens — both twins must ignore them.
+    B, H, D, S, T0 = 3, 2, 64, 8, 13
+    g = torch.Generator().manual_seed(7)
+    mine = filled_layer(B, H, D, S, T0, dtype, seed=3, pad=(0, 5, 12), C=48)
+    ref, via_ref = [t.clone() for t in mine], [t.clone() for t in mine]
+    pos = torch.tensor(T0, device=DEV)
+    for t in range(T0, 30):
+        k1 = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEV)
+        v1 = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEV)
+        vnew = torch.tensor([[True], [t % 3 != 0], [True]], device=DEV)
+        tk.append_token_at(*mine, k1, v1, vnew, pos)
+        tk.append_token_at_ref(*via_ref, k1, v1, vnew, pos)
+        tk.append_kv_ref(*ref, k1, v1, vnew, t)
+        pos += 1
+    for name, a, b, c in zip(("k_cache", "v_cache", "kmin", "kmax", "valid"), mine, via_ref, ref):
+        n = 30 if name in ("k_cache", "v_cache", "valid") else -(-30 // S)
+        a, b, c = (x[:, :n] if name == "valid" else x[:, :, :n] for x in (a, b, c))
+        assert torch.equal(a, c) and torch.equal(b, c), f"{name} differs"
+    with pytest.raises(ValueError, match="one token"):
+        tk.append_token_at(*mine, k1.expand(B, H, 2, D), v1.expand(B, H, 2, D), None, pos)
+    with pytest.raises(ValueError, match="pos must be"):
+        tk.append_token_at(*mine, k1, v1, None, pos.float())
+
+
 # ------------------------------------------------------------------------------------------------ score
 SCORE_CASES = [
     # B, H_q, H_kv, D, S, L, window_start, reduce, dtype, padding

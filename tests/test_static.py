@@ -1,4 +1,6 @@
 """cuda_graph=True: the fixed-shape decode step gives what the growing cache gives (CPU runs it uncaptured)."""
+import sys
+
 import pytest
 import torch
 
@@ -83,3 +85,38 @@ def test_static_sliding_window_is_refused_clearly():
 def test_cuda_graph_needs_quest_policy():
     with pytest.raises(ValueError, match="quest policy only"):
         QuestConfig(cuda_graph=True, policy="oracle")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compile_decode_wraps_norms_and_mlps_for_decode_only(family, monkeypatch):
+    # On CUDA the wrapped modules run inductor; here the same wrapping runs dynamo's "eager" backend on CPU,
+    # which checks the plumbing: one-token steps go through torch.compile, prefill does not, outputs equal.
+    from quest_hf import fuse, unpatch_model
+
+    monkeypatch.setattr(fuse, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse, "BACKEND", "eager")
+    model = tiny_model(family, heads=8, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(60, 41))
+    patch_model(model, budget=32, cuda_graph=True)
+    plain = _gen(model, ids, mask, n=6)
+    patch_model(model, budget=32, cuda_graph=True, compile_decode=True)
+    wrapped = [m for m in model._quest_state.compiled_modules if isinstance(m, torch.nn.Module)]
+    names = {type(m).__name__ for m in wrapped}
+    layers = model.config.num_hidden_layers
+    norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)  # + q/k norms
+    assert len(wrapped) == norms + layers and any(n.endswith("MLP") for n in names)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original_rotary = modeling.apply_rotary_pos_emb.quest_original
+    fused = _gen(model, ids, mask, n=6)
+    assert modeling.apply_rotary_pos_emb.compiled_calls == 5 * layers
+    assert torch.equal(plain.sequences, fused.sequences)
+    for a, b in zip(plain.scores, fused.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    mlp = next(m for m in wrapped if type(m).__name__.endswith("MLP"))
+    assert mlp._quest_compiled_calls == 5  # the 5 decode steps; the prefill ran eagerly
+    patch_model(model, budget=32, compile_decode=False)  # re-configuring unwraps
+    assert "forward" not in mlp.__dict__ and not model._quest_state.compiled_modules
+    assert modeling.apply_rotary_pos_emb is original_rotary
+    patch_model(model, budget=32, compile_decode=True)
+    unpatch_model(model)
+    assert all("forward" not in m.__dict__ for m in wrapped) and modeling.apply_rotary_pos_emb is original_rotary

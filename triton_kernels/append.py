@@ -6,7 +6,7 @@ import torch
 
 from ._common import check_cache, next_pow2, require_triton, tl, triton
 
-__all__ = ["append_kv", "append_kv_ref"]
+__all__ = ["append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref"]
 
 
 def _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start):
@@ -47,7 +47,7 @@ def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 
 
 @triton.jit
 def _append_kv_kernel(
-    kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, valid_ptr, kn_ptr, vn_ptr, vnew_ptr,
+    kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, valid_ptr, kn_ptr, vn_ptr, vnew_ptr, start_ptr,
     stride_kcb, stride_kch, stride_kcc, stride_kcd,
     stride_vcb, stride_vch, stride_vcc, stride_vcd,
     stride_nb, stride_nh, stride_np, stride_nd,
@@ -58,7 +58,10 @@ def _append_kv_kernel(
     stride_wb, stride_wt,
     H_KV, START, T,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr,
 ):
+    if START_ON_DEVICE:  # a captured decode step: the write position is device data (one token, one page)
+        START = tl.load(start_ptr)
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
     i_h = i_bh % H_KV
@@ -112,13 +115,59 @@ def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, star
         return
     S = C // kmin.shape[2]
     pages = (start + T - 1) // S - start // S + 1
+    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, None, pages)
+
+
+def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, start_dev, pages):
+    B, H, _, D = k_cache.shape
     valid_u8 = valid.view(torch.uint8)
     vnew = valid_new.view(torch.uint8) if valid_new is not None else valid_u8  # unused when None
     _append_kv_kernel[(B * H, pages)](
-        k_cache, v_cache, kmin, kmax, valid_u8, k_new, v_new, vnew,
+        k_cache, v_cache, kmin, kmax, valid_u8, k_new, v_new, vnew, start_dev if start_dev is not None else valid_u8,
         *k_cache.stride(), *v_cache.stride(), *kmin.stride(), *kmax.stride(), *valid_u8.stride(),
         *k_new.stride(), *v_new.stride(), vnew.stride(0), vnew.stride(1),
-        H, start, T,
-        PAGE=S, D=D, BLOCK_D=max(16, next_pow2(D)), USE_VALID_NEW=valid_new is not None,
+        H, start, k_new.shape[2],
+        PAGE=k_cache.shape[2] // kmin.shape[2], D=D, BLOCK_D=max(16, next_pow2(D)),
+        USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None,
         num_warps=4,
     )
+
+
+def _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos):
+    B, H, C, D, T = _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0)
+    if T != 1:
+        raise ValueError(f"append_token_at writes one token a sequence, got {T}; use append_kv for more")
+    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != k_cache.device:
+        raise ValueError(f"pos must be one int32/int64 element on {k_cache.device}, got {pos.dtype} "
+                         f"{tuple(pos.shape)} on {pos.device}")
+
+
+def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos) -> None:
+    """`append_kv_ref` of one token at the slot held by the device scalar `pos` (no host sync; the caller
+    keeps `pos` inside the capacity and advances it). Index ops only, so a CUDA graph can capture it."""
+    _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
+    S = k_cache.shape[2] // kmin.shape[2]
+    idx = pos.view(1).long()
+    page = torch.div(idx, S, rounding_mode="floor")
+    k_cache.index_copy_(2, idx, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(2, idx, v_new.to(v_cache.dtype))
+    lo = hi = k_new.to(k_cache.dtype)
+    if valid_new is not None:  # a padded new token leaves the page's bounds untouched
+        keep = valid_new.view(-1, 1, 1, 1)
+        lo, hi = torch.where(keep, lo, float("inf")), torch.where(keep, hi, float("-inf"))
+        valid.index_copy_(1, idx, valid_new.view(-1, 1))
+    else:
+        valid.index_fill_(1, idx, True)
+    # A page starting at pos begins empty (like the kernel, whatever its old bounds held, e.g. after a crop).
+    fresh = (idx % S == 0).view(1, 1, 1, 1)
+    old_lo = torch.where(fresh, float("inf"), kmin.index_select(2, page))
+    old_hi = torch.where(fresh, float("-inf"), kmax.index_select(2, page))
+    kmin.index_copy_(2, page, torch.minimum(old_lo, lo).to(kmin.dtype))
+    kmax.index_copy_(2, page, torch.maximum(old_hi, hi).to(kmax.dtype))
+
+
+def append_token_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos) -> None:
+    """Triton twin of `append_token_at_ref`: one launch, the position read on the device."""
+    require_triton()
+    _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
+    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0, pos, 1)

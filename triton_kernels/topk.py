@@ -12,6 +12,8 @@ def _check(scores, k, group):
     B, R, P = scores.shape
     if k < 1 or group < 1 or R % group:
         raise ValueError(f"need k >= 1 and group >= 1 dividing {R} rows, got k={k}, group={group}")
+    if P >= 1 << 16:
+        raise ValueError(f"at most {(1 << 16) - 1} pages a row (16-bit counters), got {P}")
     return B, R, P, min(group * k, P)
 
 
@@ -33,17 +35,17 @@ def topk_pages_ref(scores, k: int, group: int = 1):
     return torch.where(out < P, out, -1).to(torch.int32)
 
 
-# Scores per register tile: 2048 fp32 keys over 8 warps is 8 keys a thread, held in registers across all
-# passes. Longer rows (P = 8192 at 128K tokens) loop over tiles re-read from L2 on every pass.
-MAX_BLOCK_P = 2048
-NUM_WARPS = 8
-# 4-way search, 16 passes of 3 compares a key, beat 2-way (32 x 1) and 16-way (8 x 15) at 32K and 128K on an
-# H200 (benchmarks/NOTES-kernels.md); short rows, where the passes' serial latency dominates, go 16-way.
-RADIX_BITS = 2
-SHORT_ROW = 512
-# -inf pages are never chosen; INT_MIN is no real key (it would be a NaN).
+# A group's [G, P] scores stay in registers up to this many keys (P = 2053 capacity pages at 32K + 128 new
+# tokens is one 4096-wide tile); longer rows loop over tiles re-read from L1/L2 on every pass.
+MAX_TILE = 16384
+# Sets num_warps (at most MAX_WARPS): on an H200, 16 keys a thread (4 warps at P = 2048, 8 at 4096) beat 1-2
+# warps by 1.2-3.8x and tied 8 warps at 2048 (benchmarks/kernels_round3/topk_log.txt).
+KEYS_PER_THREAD = 16
+MAX_WARPS = 8
+# -inf pages are never chosen; INT_MIN is no real key (it would be a NaN) and marks lanes past P.
 NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
 INT_MIN = tl.constexpr(-2147483648)
+INT_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -54,10 +56,21 @@ def _order_key(x):
 
 
 @triton.jit
-def _load_keys(p_row, o_p, stride_sp, P):
-    # Lanes past P get INT_MIN: below every real key, so no threshold above INT_MIN ever counts them.
-    b_key = _order_key(tl.load(p_row + o_p * stride_sp, mask=o_p < P, other=float("-inf")))
-    return tl.where(o_p < P, b_key, INT_MIN)
+def _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, G, P):
+    # [G_PAD, BLOCK_P] keys; lanes past P or G get INT_MIN, below every real key.
+    m = (o_r[:, None] < G) & (o_p[None, :] < P)
+    b_key = _order_key(tl.load(p_rows + o_r[:, None] * stride_sr + o_p[None, :] * stride_sp, mask=m,
+                               other=float("-inf")))
+    return tl.where(m, b_key, INT_MIN)
+
+
+@triton.jit
+def _counts_ge(b_key, t1, t2, t3):
+    # Three counts (keys >= t_j per row) packed 16 bits apart in one int64: one reduction, not three.
+    one = (b_key >= t1[:, None]).to(tl.int64)
+    two = (b_key >= t2[:, None]).to(tl.int64) << 16
+    three = (b_key >= t3[:, None]).to(tl.int64) << 32
+    return tl.sum(one + two + three, axis=1)
 
 
 @triton.jit
@@ -66,48 +79,81 @@ def _topk_pages_kernel(
     stride_sb, stride_sr, stride_sp,
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, RADIX_BITS: tl.constexpr,
-    SINGLE_TILE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
     i_bg = tl.program_id(0).to(tl.int64)
     i_b = i_bg // R_OUT
     i_g = i_bg % R_OUT
     p_rows = s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr
     o_r = tl.arange(0, GROUP_PAD)
-    o_j = tl.arange(0, 1 << RADIX_BITS)
     o_n = tl.arange(0, BLOCK_P)
 
-    # Phase 1, per row: the KK-th largest key T by a radix search over the 32 key bits, RADIX_BITS a pass
-    # (2^RADIX_BITS - 1 thresholds tested at once), then how many keys equal to T are still needed after
-    # all keys above T.
-    b_thr = tl.zeros([GROUP_PAD], dtype=tl.int32)
-    b_need = tl.zeros([GROUP_PAD], dtype=tl.int32)
-    for r in range(GROUP):
-        p_row = p_rows + r * stride_sr
-        if SINGLE_TILE:  # the whole row stays in registers across the passes
-            b_key1 = _load_keys(p_row, o_n, stride_sp, P)
-        i_lo = tl.zeros([], dtype=tl.int32) + INT_MIN
-        for i_pass in tl.static_range(32 // RADIX_BITS):
-            # Wrapping int32 arithmetic: i_lo + j << shift stays below i_lo + 2^(shift+RADIX_BITS) <= 2^31.
-            b_t = i_lo + (o_j << (32 - RADIX_BITS * (i_pass + 1)))
-            if SINGLE_TILE:
-                b_cnt = tl.sum((b_key1[None, :] >= b_t[:, None]).to(tl.int32), axis=1)
-            else:
-                b_cnt = tl.zeros([1 << RADIX_BITS], dtype=tl.int32)
-                for i_p0 in range(0, P, BLOCK_P):
-                    b_key = _load_keys(p_row, i_p0 + o_n, stride_sp, P)
-                    b_cnt += tl.sum((b_key[None, :] >= b_t[:, None]).to(tl.int32), axis=1)
-            # Counts fall with j and j = 0 always holds KK keys: the digit is the last j that still does.
-            i_digit = tl.sum(((b_cnt >= KK) & (o_j > 0)).to(tl.int32), axis=0)
-            i_lo = i_lo + (i_digit << (32 - RADIX_BITS * (i_pass + 1)))
+    # Phase 1, all rows of the group at once: each row's KK-th largest key T.
+    # (a) Only the bits where the row's finite keys differ need searching: start from the common prefix of
+    #     its largest and smallest finite key. A row with at most KK finite keys takes them all (T = -inf).
+    if SINGLE_TILE:
+        b_key1 = _load_keys(p_rows, o_r, o_n, stride_sr, stride_sp, GROUP, P)
+        m_fin = b_key1 > NEG_INF_KEY
+        n_fin = tl.sum(m_fin.to(tl.int32), axis=1)
+        i_max = tl.max(b_key1, axis=1)
+        i_min = tl.min(tl.where(m_fin, b_key1, INT_MAX), axis=1)
+    else:
+        n_fin = tl.zeros([GROUP_PAD], dtype=tl.int32)
+        i_max = tl.zeros([GROUP_PAD], dtype=tl.int32) + INT_MIN
+        i_min = tl.zeros([GROUP_PAD], dtype=tl.int32) + INT_MAX
+        for i_p0 in range(0, P, BLOCK_P):
+            b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
+            m_fin = b_key > NEG_INF_KEY
+            n_fin += tl.sum(m_fin.to(tl.int32), axis=1)
+            i_max = tl.maximum(i_max, tl.max(b_key, axis=1))
+            i_min = tl.minimum(i_min, tl.min(tl.where(m_fin, b_key, INT_MAX), axis=1))
+    m_search = n_fin > KK
+    i_diff = i_min ^ i_max
+    # Bit length of the difference from its float exponent (rounding up only over-estimates it: harmless),
+    # rounded up to whole 2-bit digits; keys of both signs (negative xor) search all 32 bits.
+    i_len = ((i_diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
+    i_len = tl.where(i_diff == 0, 0, i_len)
+    i_shift = tl.where(i_diff < 0, 32, tl.minimum((i_len + 1) // 2 * 2, 32))
+    i_sh = tl.minimum(i_shift, 30)
+    i_lo = tl.where(i_shift >= 32, INT_MIN, (i_max >> i_sh) << i_sh)
+    i_lo = tl.where(m_search, i_lo, NEG_INF_KEY)
+    i_shift = tl.where(m_search, i_shift, 0)
+    i_cnt = n_fin  # keys >= i_lo, or fewer when i_lo = INT_MIN (only ever compared with KK, which it exceeds)
+
+    # (b) Radix search, 2 bits a pass, every row in the same passes: T stays in [i_lo, i_lo + 2^i_shift).
+    #     A row stops as soon as exactly KK keys are >= i_lo (then every key >= i_lo is chosen).
+    while tl.max(i_shift, axis=0) > 0:
+        m_act = i_shift > 0
+        i_s = tl.maximum(i_shift - 2, 0)
+        # Wrapping int32 arithmetic: i_lo + 3 << i_s stays below i_lo + 2^i_shift <= 2^31.
+        t1 = i_lo + (1 << i_s)
+        t2 = i_lo + (2 << i_s)
+        t3 = i_lo + (3 << i_s)
         if SINGLE_TILE:
-            i_gt = tl.sum((b_key1 > i_lo).to(tl.int32), axis=0)
+            i_pack = _counts_ge(b_key1, t1, t2, t3)
         else:
-            i_gt = tl.zeros([], dtype=tl.int32)
+            i_pack = tl.zeros([GROUP_PAD], dtype=tl.int64)
             for i_p0 in range(0, P, BLOCK_P):
-                i_gt += tl.sum((_load_keys(p_row, i_p0 + o_n, stride_sp, P) > i_lo).to(tl.int32), axis=0)
-        b_thr = tl.where(o_r == r, i_lo, b_thr)
-        b_need = tl.where(o_r == r, KK - i_gt, b_need)
+                i_pack += _counts_ge(_load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P), t1, t2, t3)
+        c1 = (i_pack & 0xFFFF).to(tl.int32)
+        c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
+        c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
+        # Counts fall with the threshold; the digit is the last one still holding KK keys.
+        i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
+        c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
+        i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
+        i_cnt = tl.where(m_act, c_new, i_cnt)
+        i_shift = tl.where(m_act & (c_new != KK), i_s, 0)
+
+    # (c) How many keys equal to T each row still needs after all keys above it.
+    if SINGLE_TILE:
+        i_gt = tl.sum((b_key1 > i_lo[:, None]).to(tl.int32), axis=1)
+    else:
+        i_gt = tl.zeros([GROUP_PAD], dtype=tl.int32)
+        for i_p0 in range(0, P, BLOCK_P):
+            b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
+            i_gt += tl.sum((b_key > i_lo[:, None]).to(tl.int32), axis=1)
+    i_need = KK - i_gt
 
     # Phase 2: per tile, each row picks keys above T plus its lowest-index ties at T; the tile's union over
     # the group is compacted (ascending by construction) after the ids already written.
@@ -116,44 +162,56 @@ def _topk_pages_kernel(
     p_out = out_ptr + i_b * stride_ob + i_g * stride_or
     for i_p0 in range(0, P, BLOCK_P):
         o_p = i_p0 + o_n
-        m_p = o_p < P
-        b_union = tl.zeros([BLOCK_P], dtype=tl.int32)
-        for r in range(GROUP):
-            b_key = _load_keys(p_rows + r * stride_sr, o_p, stride_sp, P)
-            i_thr = tl.sum(tl.where(o_r == r, b_thr, 0), axis=0)
-            i_need = tl.sum(tl.where(o_r == r, b_need, 0), axis=0)
-            i_seen = tl.sum(tl.where(o_r == r, b_seen, 0), axis=0)
-            b_eq = ((b_key == i_thr) & m_p).to(tl.int32)
-            b_rank = tl.cumsum(b_eq, axis=0) - 1 + i_seen
-            m_pick = (b_key > i_thr) | ((b_eq != 0) & (b_rank < i_need))
-            m_pick = m_pick & (b_key != NEG_INF_KEY) & m_p
-            b_union = b_union | m_pick.to(tl.int32)
-            b_seen = tl.where(o_r == r, i_seen + tl.sum(b_eq, axis=0), b_seen)
+        if SINGLE_TILE:
+            b_key = b_key1
+        else:
+            b_key = _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, GROUP, P)
+        b_eq = (b_key == i_lo[:, None]).to(tl.int32)
+        b_rank = tl.cumsum(b_eq, axis=1) - 1 + b_seen[:, None]
+        m_pick = (b_key > i_lo[:, None]) | ((b_eq != 0) & (b_rank < i_need[:, None]))
+        m_pick = m_pick & (b_key > NEG_INF_KEY)
+        b_union = tl.max(m_pick.to(tl.int32), axis=0)
         b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
         tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
         i_out += tl.sum(b_union, axis=0)
+        b_seen += tl.sum(b_eq, axis=1)
     for i_k0 in range(0, K_OUT, BLOCK_P):
         o_k = i_k0 + o_n
         tl.store(p_out + o_k * stride_ok, tl.full([BLOCK_P], -1, tl.int32), mask=(o_k >= i_out) & (o_k < K_OUT))
 
 
-def topk_pages(scores, k: int, group: int = 1):
+def launch_config(P: int, group: int):
+    """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
+    g_pad = next_pow2(group)
+    block_p = max(16, next_pow2(P))
+    single = g_pad * block_p <= MAX_TILE
+    if not single:
+        block_p = max(16, MAX_TILE // g_pad)
+    warps = max(1, min(MAX_WARPS, g_pad * block_p // (32 * KEYS_PER_THREAD)))
+    return block_p, warps, single
+
+
+def topk_pages(scores, k: int, group: int = 1, *, _num_warps: int | None = None, _block_p: int | None = None):
     """Triton twin of `topk_pages_ref`.
 
     scores fp32 `[B, R, P]` (any strides; NaN-free). Returns a fresh int32 `[B, R // group, min(group * k, P)]`.
-    Ties at the k-th score go to the lowest page ids. No torch.topk: one program per (b, group) finds each
-    row's k-th largest score by a radix search on the fp32 bit pattern, then writes the union compacted.
+    Ties at the k-th score go to the lowest page ids. No torch.topk: one program per (b, group) finds the k-th
+    largest score of each of its rows together, by a radix search on the fp32 bit pattern that starts at the
+    bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
+    `_num_warps` / `_block_p` override the launch configuration (benchmarks only).
     """
     require_triton()
     B, R, P, K_out = _check(scores, k, group)
     out = torch.empty(B, R // group, K_out, dtype=torch.int32, device=scores.device)
+    block_p, warps, single = launch_config(P, group)
+    if _block_p is not None:
+        block_p, single = _block_p, _block_p >= P
     _topk_pages_kernel[(B * (R // group),)](
         scores, out,
         scores.stride(0), scores.stride(1), scores.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
-        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=min(MAX_BLOCK_P, max(16, next_pow2(P))),
-        RADIX_BITS=4 if P <= SHORT_ROW else RADIX_BITS, SINGLE_TILE=P <= MAX_BLOCK_P,
-        num_warps=NUM_WARPS,
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single,
+        num_warps=_num_warps or warps,
     )
     return out

@@ -1,0 +1,125 @@
+"""Top-K kernel alone on one GPU: launch configurations, and optionally another implementation side by side.
+
+Rows are the score matrices a decode step hands to `topk_pages` (fp32 `[B, R, P]`, random bounds, the last
+page forced to +inf): MHA (R = 32 KV heads, group 1), GQA union (R = 32 query heads, groups of 4) and GQA
+shared score (R = 8), at P = 2048 (32K tokens), 2053 (a static cache of 32K + 128 tokens + a spare page:
+what the captured decode sees) and 8192 (128K), batch 1 and 8. Each kernel is timed as a CUDA-graph replay
+(CUDA events, median, rotating over 4 input sets) and checked against `topk_pages_ref`.
+
+    PYTHONPATH=. python scripts/bench_topk.py [--other path/to/old_topk.py] [--warps 1 2 4 8]
+"""
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+import triton_kernels as tk
+from triton_kernels import topk as topk_mod
+
+CASES = [  # name, B, R, P, k, group
+    ("mha-32K", 1, 32, 2048, 128, 1), ("mha-static-32K", 1, 32, 2053, 129, 1), ("mha-128K", 1, 32, 8192, 128, 1),
+    ("union4-32K", 1, 32, 2048, 128, 4), ("union4-static-32K", 1, 32, 2053, 129, 4), ("union4-128K", 1, 32, 8192, 128, 4),
+    ("shared-32K", 1, 8, 2048, 128, 1), ("mha-32K-B8", 8, 32, 2048, 128, 1), ("union4-32K-B8", 8, 32, 2048, 128, 4),
+    ("mha-4K", 1, 32, 256, 128, 1),
+]
+
+
+def graph_us(fn, sets, reps=200):
+    for s in sets:
+        fn(s)
+    torch.cuda.synchronize()
+    graphs = []
+    for s in sets:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(s)
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (a, b) in enumerate(ev):
+        torch.cuda._sleep(20000)
+        a.record()
+        graphs[i % len(graphs)].replay()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+
+
+def same_selection(ids, ref, s, group):
+    if torch.equal(ids, ref):
+        return True
+    if group != 1 or not torch.equal((ids < 0).sum(-1), (ref < 0).sum(-1)):
+        return False
+    pick = lambda x: torch.where(x >= 0, s.gather(-1, x.clamp(min=0).long()), 0.0).sort(-1).values
+    return torch.equal(pick(ids), pick(ref))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--other", help="a file defining topk_pages(scores, k, group) to time beside the repo's")
+    ap.add_argument("--configs", nargs="*", default=[],
+                    help="module settings to try as well, e.g. KEYS_PER_THREAD=32,MAX_TILE=32768,MAX_WARPS=16")
+    args = ap.parse_args(argv)
+    impls = {"repo": tk.topk_pages}
+    defaults = {n: getattr(topk_mod, n) for n in ("KEYS_PER_THREAD", "MAX_TILE", "MAX_WARPS")}
+    for cfg in args.configs:
+        settings = {**defaults, **{kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",")}}
+
+        def run(s, k, g, settings=settings):
+            for n, v in settings.items():
+                setattr(topk_mod, n, v)
+            try:
+                return tk.topk_pages(s, k, g)
+            finally:
+                for n, v in defaults.items():
+                    setattr(topk_mod, n, v)
+
+        impls[cfg] = run
+    if args.other:
+        spec = importlib.util.spec_from_file_location("other_topk", args.other)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        impls["other"] = mod.topk_pages
+    rows = []
+    for name, B, R, P, k, group in CASES:
+        sets = []
+        for i in range(4):
+            s = torch.randn(B, R, P, device="cuda") * 3 + 20
+            s[..., -1] = float("inf")
+            sets.append(s)
+        ref = tk.topk_pages_ref(sets[0], k, group)
+        row = dict(case=name, B=B, R=R, P=P, k=k, group=group, launch=topk_mod.launch_config(P, group))
+        for iname, fn in impls.items():
+            try:
+                ok = same_selection(fn(sets[0], k, group), ref, sets[0], group)
+                row[iname] = graph_us(lambda s: fn(s, k, group), sets)
+                row[iname + "_ok"] = ok
+            except Exception as e:  # a configuration that does not compile is reported, not fatal
+                row[iname] = None
+                row[iname + "_err"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    os.makedirs(out, exist_ok=True)
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
+    with open(os.path.join(out, "bench_topk.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out, "bench_topk.md"), "w") as f:
+        f.write(f"# Top-K kernel alone (CUDA-graph replay, us)\n\n{json.dumps(meta)}\n\n")
+        f.write("| case | " + " | ".join(impls) + " |\n|---|" + "---|" * len(impls) + "\n")
+        for r in rows:
+            cells = [f"{r[i]:.1f}{'' if r.get(i + '_ok') else ' (WRONG)'}" if r[i] is not None else "fail" for i in impls]
+            f.write(f"| {r['case']} | " + " | ".join(cells) + " |\n")
+
+
+if __name__ == "__main__":
+    main()
