@@ -27,9 +27,12 @@ class QuestConfig:
             cost of ~150 kernels), except with beam search or sliding-window layers, which keep the
             growing cache. `True`: always (refusing what it cannot do; a CPU model runs the same
             fixed-shape step uncaptured). `False`: never.
-        compile_decode: `True`: one-token CUDA forwards run the model's norms and MLPs through
-            `torch.compile` (fusing HF's elementwise code, as its compiled static path does); the first
-            decode step pays the compile (tens of seconds). `False` (default): plain eager modules.
+        compile_decode: `True` (default): one-token CUDA forwards run the model's norms, MLPs and
+            rotary embedding through `torch.compile` (fusing HF's elementwise code, as HF's compiled
+            static path does): on an H200, 7B at 32K decodes in 6.5 instead of 8.5 ms a token. The first
+            decode step of a new batch size pays the compile (seconds to tens of seconds); a compile
+            error is logged and that module runs eagerly (`quest_hf.fuse.FAILED` says what). Prefill,
+            CPU and the attention are never compiled. `False`: plain eager modules.
         policy: `"quest"` (default); `"streaming"` (first page + most recent pages, query-agnostic
             baseline) and `"oracle"` (top-budget tokens by exact q.k per head; reads every key, for
             evaluation only) go through the same decode path for comparisons.
@@ -42,7 +45,7 @@ class QuestConfig:
     backend: str = "auto"
     policy: str = "quest"
     cuda_graph: bool | str = "auto"
-    compile_decode: bool = False
+    compile_decode: bool = True
 
     def __post_init__(self):
         for name in ("budget", "page_size", "dense_layers"):

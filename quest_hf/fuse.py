@@ -31,23 +31,53 @@ def _compiled_forward(cls):
     return fn
 
 
+FAILED: dict = {}  # what could not be compiled -> the error; it then runs eagerly (logged once)
+
+
+def _run_compiled(key, get_fn, eager, *args, **kwargs):
+    """The compiled function's output, or (when compiling fails, logged) the eager one's."""
+    if key not in FAILED:
+        try:
+            return get_fn()(*args, **kwargs), True
+        except Exception as e:  # noqa: BLE001 - any compile error: fall back, loudly
+            FAILED[key] = f"{type(e).__name__}: {e}"
+            logger.warning(f"quest-hf: torch.compile of {key} failed, it runs eagerly: {FAILED[key][:500]}")
+    return eager(*args, **kwargs), False
+
+
 def _decode_forward(module, eager):
     cls = type(module)
 
     def forward(x, *args, **kwargs):
         if x.dim() >= 3 and x.shape[1] == 1 and _is_decode(x):
-            module._quest_compiled_calls += 1
-            return _compiled_forward(cls)(module, x, *args, **kwargs)
+            out, ok = _run_compiled(cls.__name__, lambda: _compiled_forward(cls),
+                                    lambda *a, **k: eager(*a[1:], **k), module, x, *args, **kwargs)
+            module._quest_compiled_calls += ok
+            return out
         return eager(x, *args, **kwargs)
 
     return forward
 
 
 _rotary_users: dict = {}  # modeling module -> [original function, number of patched models using it]
+# The replaced `apply_rotary_pos_emb` serves every model of its modeling file; it compiles only inside the
+# forward of a model patched with compile_decode (the decoder's pre/post hooks push/pop this stack).
+_forwards: list = []
+
+
+def enter_forward(compile_decode: bool) -> None:
+    _forwards.append(compile_decode)
+
+
+def exit_forward() -> None:
+    if _forwards:
+        _forwards.pop()
 
 
 def _is_decode(x) -> bool:
-    return x.device.type in DEVICE_TYPES and not torch.is_grad_enabled()
+    # Not under tensor parallel: its sharded linears run collectives that the eager path already handles.
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return x.device.type in DEVICE_TYPES and not torch.is_grad_enabled() and not distributed
 
 
 def _patch_rotary(model) -> object | None:
@@ -63,12 +93,15 @@ def _patch_rotary(model) -> object | None:
     compiled = {}
 
     def apply_rotary_pos_emb(q, k, *args, **kwargs):
-        if q.dim() == 4 and q.shape[-2] == 1 and _is_decode(q):  # [B, H, T=1, D]
-            fn = compiled.get(BACKEND)
-            if fn is None:
-                fn = compiled[BACKEND] = torch.compile(original, backend=BACKEND, dynamic=False)
-            apply_rotary_pos_emb.compiled_calls += 1
-            return fn(q, k, *args, **kwargs)
+        if _forwards and _forwards[-1] and q.dim() == 4 and q.shape[-2] == 1 and _is_decode(q):  # [B, H, 1, D]
+            def get():
+                if BACKEND not in compiled:
+                    compiled[BACKEND] = torch.compile(original, backend=BACKEND, dynamic=False)
+                return compiled[BACKEND]
+
+            out, ok = _run_compiled(f"{module.__name__}.apply_rotary_pos_emb", get, original, q, k, *args, **kwargs)
+            apply_rotary_pos_emb.compiled_calls += ok
+            return out
         return original(q, k, *args, **kwargs)
 
     apply_rotary_pos_emb.compiled_calls = 0

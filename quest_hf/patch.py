@@ -20,7 +20,7 @@ from transformers.utils import logging
 from .attention import NAME, quest_attention_forward
 from .cache import QuestCache
 from .config import QuestConfig
-from .fuse import compile_decode_modules, restore
+from .fuse import compile_decode_modules, enter_forward, exit_forward, restore
 
 logger = logging.get_logger("quest_hf")
 
@@ -69,6 +69,7 @@ def _attention_modules(model):
 
 def _before_forward(decoder, args, kwargs):
     state: _PatchState = decoder._quest_state
+    enter_forward(state.config.compile_decode)  # first: _after_forward (always called) pops it
     bound = inspect.signature(decoder.forward).bind_partial(*args, **kwargs).arguments
     cache = bound.get("cache", bound.get("past_key_values"))
     if cache is None:
@@ -92,6 +93,7 @@ def _before_forward(decoder, args, kwargs):
 
 def _after_forward(decoder, args, kwargs, output):
     decoder._quest_state.cache = None  # drop the reference: the cache lives as long as its user keeps it
+    exit_forward()
 
 
 def _static_length(model, args, kwargs) -> int:

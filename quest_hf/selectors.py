@@ -62,8 +62,12 @@ def policy_names() -> tuple[str, ...]:
 
 
 # Selectors beyond the paper (docs/selector.md): per-token key codes on the page's min/max grid.
-from .selectors_qcode import QCodeSelector  # noqa: E402
+from .selectors_qcode import QCodeSelector, TwoStageCodeSelector  # noqa: E402
 
 register_selector("qcode", QCodeSelector(bits=2))
 register_selector("qcode1", QCodeSelector(bits=1))
 register_selector("qcode_topp", QCodeSelector(bits=2, top_p=0.9))
+register_selector("qcode1_topp", QCodeSelector(bits=1, top_p=0.9))
+# Two-stage: Quest's top 8 x budget pages per query head, re-ranked by the codes of those pages only.
+register_selector("qcode2s", TwoStageCodeSelector(bits=2, candidates=8))
+register_selector("qcode1_2s", TwoStageCodeSelector(bits=1, candidates=8))

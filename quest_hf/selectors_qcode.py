@@ -28,22 +28,6 @@ from triton_kernels.key_codes import code_bytes
 from .selectors import Selector
 
 
-def top_p_scores(log_mass: torch.Tensor, top_p: float, k: int) -> torch.Tensor:
-    """Scores `[B, R, P]` for `topk_pages` that keep, per row, the fewest pages whose mass reaches `top_p`.
-
-    `log_mass [B, R, P]`: log attention mass per page (`-inf`: never chosen), the last page the current one
-    (always kept, `+inf` in the result). At most `k` pages per row survive (`topk_pages` cuts ties)."""
-    mass = torch.softmax(log_mass, dim=-1)
-    srt = mass.sort(-1, descending=True).values
-    before = srt.cumsum(-1) - srt  # mass of the better pages
-    need = (before < top_p).sum(-1, keepdim=True).clamp(1, k)
-    thr = srt.gather(-1, need - 1)
-    keep = (mass >= thr) & (mass > 0)
-    out = torch.where(keep, log_mass, float("-inf"))
-    out[..., -1] = float("inf")
-    return out
-
-
 class QCodeSelector(Selector):
     """Pages ranked by their best token's q.k estimated from `bits`-bit per-channel codes on the page grid.
 
@@ -101,11 +85,80 @@ class QCodeSelector(Selector):
         mode = "max" if self.top_p is None else "lse"
         s = score(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, layer.seq_len, cfg.page_size,
                   window_start, self.bits, mode, q.shape[-1] ** -0.5)
-        if self.top_p is not None:
-            s = top_p_scores(s, self.top_p, cfg.num_pages)
+        if self.top_p is not None:  # keep the fewest pages holding top_p of each head's estimated mass
+            mask = tk.top_p_mask if ops.name == "triton" else tk.top_p_mask_ref
+            s = mask(s, self.top_p, cfg.num_pages)
         if cfg.gqa_mode == "union":
             return ops.topk_pages(s, cfg.num_pages, G)
         B, _, P = s.shape
         s = s.reshape(B, H, G, P)
         s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)  # -inf/+inf pages are -inf/+inf in every row
+        return ops.topk_pages(s.contiguous(), cfg.num_pages, 1)
+
+
+def candidate_code_scores(q, k_cache, kmin, kmax, codes, valid, cand, seq_len: int, page_size: int,
+                          window_start: int, bits: int) -> torch.Tensor:
+    """`code_scores_ref(mode="max")` of the candidate pages only: fp32 `[B, H_q, N]` for `cand` int32
+    `[B, H_q, N]` (page ids, -1 padding -> -inf). Reads the codes and min/max of those pages, nothing else."""
+    B, H, C, D = k_cache.shape
+    Hq, N, S = q.shape[1], cand.shape[-1], page_size
+    G = Hq // H
+    per, levels = 8 // bits, (1 << bits) - 1
+    ok_c = cand >= 0
+    p = cand.clamp(min=0).long()                                           # [B, Hq, N]
+    b = torch.arange(B, device=q.device)[:, None, None]
+    h = (torch.arange(Hq, device=q.device) // G)[None, :, None]
+    raw = codes.view(B, H, C // S, S, codes.shape[-1])[b, h, p].long()     # [B, Hq, N, S, bytes]
+    shifts = torch.arange(per, device=q.device) * bits
+    c = ((raw[..., None] >> shifts) & levels).reshape(B, Hq, N, S, D).float()
+    lo, hi = kmin[b, h, p].float(), kmax[b, h, p].float()                  # [B, Hq, N, D]
+    grid = hi >= lo
+    step = torch.where(grid, (hi - lo) / levels, 0.0)
+    lo = torch.where(grid, lo, 0.0)
+    if bits == 1:  # the centres of the page's lower and upper half, as code_scores_ref
+        lo, step = lo + 0.25 * step, 0.5 * step
+    base = (lo * q.float()[:, :, None]).sum(-1)                            # [B, Hq, N]
+    s = base[..., None] + (c * (step * q.float()[:, :, None])[..., None, :]).sum(-1)  # [B, Hq, N, S]
+    slot = p[..., None] * S + torch.arange(S, device=q.device)
+    ok = valid.gather(1, slot.reshape(B, -1).clamp(max=C - 1)).reshape(slot.shape)
+    ok = ok & (slot < seq_len) & (slot >= window_start) & ok_c[..., None]
+    return s.masked_fill(~ok, float("-inf")).amax(-1)
+
+
+class TwoStageCodeSelector(QCodeSelector):
+    """Quest's bound picks `candidates` x the budget's pages per query head; the key codes re-rank only
+    those pages (codes of the other pages are never read), and the best `budget // page_size` are kept.
+
+    Where the bound fails, it still ranks the page holding the best token among its top few; the codes
+    pick it out of them. Bytes: Quest's min/max + the candidates' codes (at most `group * candidates *
+    budget` tokens a KV head) + the chosen pages' K/V. PyTorch ops on every device (no kernel yet).
+    """
+
+    def __init__(self, bits: int = 1, candidates: int = 8):
+        super().__init__(bits=bits)
+        if not isinstance(candidates, int) or candidates < 1:
+            raise ValueError(f"candidates must be an int >= 1, got {candidates!r}")
+        self.candidates = candidates
+
+    def __repr__(self):
+        return f"TwoStageCodeSelector(bits={self.bits}, candidates={self.candidates})"
+
+    def select(self, layer, q, window_start):
+        cfg, ops = layer.config, layer.ops
+        codes = self._sync(layer, layer.seq_len)
+        H, S, L = layer.keys.shape[1], cfg.page_size, layer.seq_len
+        G = q.shape[1] // H
+        bound = ops.score_pages(q, layer.kmin, layer.kmax, L, S, window_start, "none")  # [B, Hq, P]
+        B, Hq, P = bound.shape
+        cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages), 1)        # per query head
+        est = candidate_code_scores(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, cand, L, S,
+                                    window_start, self.bits)
+        s = bound.new_full((B, Hq, P + 1), float("-inf"))
+        s.scatter_(-1, torch.where(cand >= 0, cand.long(), P), est)  # padding lands in the dropped column
+        s = s[..., :P].contiguous()
+        s[..., P - 1] = float("inf")  # the current page (its codes are not written yet)
+        if cfg.gqa_mode == "union":
+            return ops.topk_pages(s, cfg.num_pages, G)
+        s = s.reshape(B, H, G, P)
+        s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)
         return ops.topk_pages(s.contiguous(), cfg.num_pages, 1)

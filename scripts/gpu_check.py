@@ -3,7 +3,8 @@
 
 For a small random GQA Llama and a MHA one, fp16 and bf16, batch 2 left-padded, budget small enough that
 selection matters: greedy tokens and logits of backend="triton" vs backend="torch", and of
-cuda_graph=True vs the growing cache; which backend ran and how many graphs were captured/replayed.
+cuda_graph=True vs the growing cache, compile_decode (the default) vs eager norms/MLPs/rotary; which
+backend ran and how many graphs were captured/replayed.
 """
 import json
 import os
@@ -48,12 +49,15 @@ def main():
             mask[1, :311] = 0
             ids[1, :311] = 0
             res = {}
-            for name, kw in (("torch", dict(backend="torch", cuda_graph=False)), ("triton", dict(backend="triton", cuda_graph=False)),
-                             ("triton_graph", dict(backend="triton", cuda_graph=True))):
+            for name, kw in (("torch", dict(backend="torch", cuda_graph=False)),
+                             ("triton", dict(backend="triton", cuda_graph=False)),
+                             ("triton_graph", dict(backend="triton", cuda_graph=True)),
+                             ("triton_graph_eager_modules", dict(backend="triton", cuda_graph=True, compile_decode=False))):
                 patch_model(model, budget=128, **kw)
                 seq, scores, cache = gen(model, ids, mask)
                 res[name] = (seq, scores, cache)
                 if name == "triton_graph":  # the same fixed-shape step, uncaptured: isolates the capture
+                    compiled_calls = sum(getattr(m, "_quest_compiled_calls", 0) for m in model.modules())
                     quest_hf.static.CAPTURE = False
                     res["triton_static_eager"] = gen(model, ids, mask)
                     quest_hf.static.CAPTURE = True
@@ -66,6 +70,11 @@ def main():
                        tokens_quest_eq_dense=bool(torch.equal(res["triton"][0], dense_seq)),
                        graph_eq_static_eager_bitwise=bool(torch.equal(res["triton_graph"][1],
                                                                       res["triton_static_eager"][1])),
+                       tokens_compiled_eq_eager_modules=bool(torch.equal(res["triton_graph"][0],
+                                                                         res["triton_graph_eager_modules"][0])),
+                       max_logit_diff_compiled_eager_modules=float(
+                           (res["triton_graph"][1] - res["triton_graph_eager_modules"][1]).abs().max()),
+                       compiled_module_calls=compiled_calls,
                        max_logit_diff_triton_torch=float((res["triton"][1] - res["torch"][1]).abs().max()),
                        max_logit_diff_graph_triton=float((res["triton_graph"][1] - res["triton"][1]).abs().max()),
                        graph_captures=res["triton_graph"][2].graph.captures,

@@ -32,7 +32,7 @@ from quest_hf.eval.decode import prefill  # noqa: E402
 from quest_hf.eval.passkey import make_case, run_case  # noqa: E402
 from quest_hf.models import load_model  # noqa: E402
 
-ORDER = ["dense", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp"]
+ORDER = ["dense", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp", "qcode1_topp", "qcode2s", "qcode1_2s"]
 DENSE = 1 << 30  # a budget that covers any context: the layer runs exact dense attention
 
 
@@ -43,7 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--depths", type=int, default=5, help="needle depths spread evenly over the context")
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--policies", nargs="+", default=["quest", "oracle", "streaming"],
-                   choices=["quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp"], help="dense always runs as the reference")
+                   choices=ORDER[1:], help="dense always runs as the reference")
+    p.add_argument("--only", nargs="+", default=None, metavar="POLICY:BUDGET",
+                   help="run just these policy/budget cells of --policies x --budgets (e.g. quest:512 qcode_topp:64)")
     p.add_argument("--backends", nargs="+", default=["torch"], choices=["torch", "triton", "auto"],
                    help="run quest on several backends side by side (triton on CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--page-size", type=int, default=16)
@@ -70,6 +72,9 @@ def run(args, on_case=None):
     patch_model(model, config=base)
     runs = [("dense", "torch", DENSE)] + [(p, b, n) for p in args.policies for n in args.budgets
                                           for b in (args.backends if p == "quest" else ["torch"])]
+    if args.only:
+        cells = {(c.split(":")[0], int(c.split(":")[1])) for c in args.only}
+        runs = runs[:1] + [r for r in runs[1:] if (r[0], r[2]) in cells]
     depths = [(i + 0.5) / args.depths for i in range(args.depths)]
     rows = []
     bar = tqdm(total=len(lengths) * len(depths) * len(runs), desc="passkey")
@@ -110,6 +115,9 @@ def table(rows, lengths, budgets) -> str:
             cells = []
             for b in budgets:
                 rs = [r for r in sub if r["policy"] == policy and r["backend"] == backend and r["budget"] in (b, None)]
+                if not rs:
+                    cells.append("-")
+                    continue
                 acc = sum(r["correct"] for r in rs)
                 frac = sum(r["bytes_frac"] for r in rs) / len(rs)
                 cells.append(f"{acc}/{len(rs)} ({frac:.2f})")

@@ -222,6 +222,46 @@ def test_topk_matches_reference(B, R, P, k, group, ties, dead):
             assert len(left) == 0 or len(taken) == 0 or taken.max() < left.min()
 
 
+@pytest.mark.parametrize("B,R,P,k,group,ties", [(1, 4, 700, 40, 4, False), (2, 2, 1000, 300, 1, True),
+                                                 (1, 3, 333, 333, 3, False)])
+def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch):
+    # Rows longer than one register tile loop over tiles on every pass (128K-token unions on a GPU).
+    from triton_kernels import topk as topk_mod
+
+    monkeypatch.setattr(topk_mod, "MAX_TILE", 256)
+    assert not topk_mod.launch_config(P, group)[2]
+    s = random_scores(B, R, P, seed=P, ties=ties)
+    got, want = tk.topk_pages(s, k, group), tk.topk_pages_ref(s, k, group)
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    if ties:  # lowest ids among the ties: compare against a stable sort by (-score, id)
+        order = torch.sort(-s, dim=-1, stable=True).indices[..., :k]
+        exp = torch.where(torch.isneginf(s.gather(-1, order)), P, order).sort(-1).values
+        assert torch.equal(got.long(), torch.where(exp < P, exp, -1))
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("P", [1, 37, 300, 2053])
+def test_top_p_mask_matches_reference(P):
+    # The adaptive budget's page filter (qcode_topp): same kept pages as the sorted-cumsum reference; at
+    # top_p = 1 they may differ only on pages holding under float resolution of the row's mass.
+    g = torch.Generator().manual_seed(P)
+    s = torch.randn(3, 4, P, generator=g) * 3
+    s.masked_fill_(torch.rand(3, 4, P, generator=g) < 0.2, float("-inf"))
+    s = s.to(DEV)
+    for p in (0.3, 0.5, 0.9, 1.0):
+        got, want = tk.top_p_mask(s, p, 16), tk.top_p_mask_ref(s, p, 16)
+        assert (got[..., -1] == float("inf")).all() and (want[..., -1] == float("inf")).all()
+        diff = got != want
+        if p < 1.0:
+            assert not diff.any(), f"top_p={p}: {int(diff.sum())} pages differ"
+        else:
+            assert (torch.softmax(s, -1)[diff] < 1e-6).all()
+        assert torch.equal(got[~diff], want[~diff])
+    with pytest.raises(ValueError, match="top_p"):
+        tk.top_p_mask(s, 0.0, 16)
+
+
 def test_topk_all_scores_equal_takes_lowest_ids():
     s = torch.zeros(1, 2, 5000)
     s[0, 1, :100] = float("-inf")

@@ -9,7 +9,9 @@ from quest_hf import QuestCache, QuestConfig, patch_model
 from quest_hf.config import QuestConfig as _QC
 from quest_hf.patch import cache_arg_name
 from quest_hf.selectors import SELECTORS, register_selector
-from quest_hf.selectors_qcode import QCodeSelector, top_p_scores
+from quest_hf.selectors_qcode import QCodeSelector
+
+top_p_scores = tk.top_p_mask_ref
 
 from .conftest import tiny_model
 
@@ -101,6 +103,36 @@ def test_code_scores_match_reference(B, Hq, Hkv, D, S, lengths, extra, ws, bits,
     assert_close(mine[fin], ref[fin], F32)
 
 
+@pytest.mark.parametrize("mode", ["max", "lse"])
+@pytest.mark.parametrize("variant, bits, D, block_p, num_warps, ws", [
+    ("bytes", 2, 32, 4, 4, 30),  # 19 complete pages: blocks of 4, the last one partial (3 pages); window inside a block
+    ("bytes", 1, 32, 8, 2, 0),
+    ("bytes", 4, 32, 2, 1, 57),
+    ("bytes", 1, 16, 16, 4, 0),  # 2 bytes a token; one block wider than the pages
+    ("bytes", 2, 64, 1, 4, 8),  # one page a program
+    ("words", 2, 32, 4, 4, 30),  # 1 word pair a token: 32 pages a warp, fewer here (lanes repeat pages)
+    ("words", 2, 64, None, 1, 57),  # the default blocks: 16 pages a warp, one a thread
+    ("words", 1, 64, 8, 1, 8),  # 1 word pair a token, 8 codes a segment of 4
+    ("words", 4, 32, 32, 2, 0),  # one block wider than the pages; 2 segments of 4 codes a word
+    ("words", 1, 32, 4, 4, 0),  # half a word pair a token: falls back to "bytes"
+])
+def test_code_scores_blocks(variant, bits, D, block_p, num_warps, ws, mode):
+    """Many pages per program, a partial last block, G = 3, left padding (whole padding pages), a window."""
+    S, B, Hq, Hkv = 8, 2, 6, 2
+    _, layer = filled_layer(B, Hkv, D, S, (150, 61), F16, extra=3, seed=bits)
+    L = layer.seq_len  # 153: 19 complete pages + the current one
+    codes = torch.zeros(B, Hkv, layer.capacity, D * bits // 8, dtype=torch.uint8)
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, codes, 0, L // S, bits)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(2)).to(F16)
+    args = (q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, L, S, ws, bits, mode, D ** -0.5)
+    ref = tk.code_scores_ref(*args)
+    mine = tk.code_scores(*args, _block_p=block_p, _num_warps=num_warps, _variant=variant)
+    fin = ref.isfinite()
+    assert (~fin).any() and fin.any()
+    assert torch.equal(fin, mine.isfinite()) and torch.equal(ref[~fin], mine[~fin])
+    assert_close(mine[fin], ref[fin], F32)
+
+
 def test_codes_track_keys_better_than_the_bound():
     """2-bit codes on the page grid estimate q.k within a quarter of the page's range per channel."""
     _, layer = filled_layer(1, 2, 64, 16, (256,), F32)
@@ -164,7 +196,10 @@ def test_top_p_scores_cut():
     lm = torch.log(torch.tensor([[[0.5, 0.3, 0.1, 0.05, 0.05]]]))
     s = top_p_scores(lm, 0.7, k=4)  # current page (0.05) forced; 0.5 + 0.3 reach 0.7
     assert (s > float("-inf")).sum() == 3 and s[0, 0, -1] == float("inf")
-    assert (top_p_scores(lm, 1.0, k=2) > float("-inf")).sum() == 3  # capped at k, + the current page
+    # At 1.0 every page with mass is kept here; topk_pages caps the choice at k (2 + the current page).
+    s = top_p_scores(lm, 1.0, k=2)
+    assert (s > float("-inf")).sum() == 5
+    assert (tk.topk_pages_ref(s, 3, 1) >= 0).sum() == 3
 
 
 def test_codes_built_lazily_after_copy_from_quest_equal_incremental():
@@ -225,3 +260,9 @@ def test_bad_arguments():
     _, layer = filled_layer(1, 1, 16, 4, (9,), F32)
     with pytest.raises(ValueError):
         tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, torch.zeros(1, 1, layer.capacity, 3, dtype=torch.uint8), 0, 2)
+    codes = torch.zeros(1, 1, layer.capacity, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        tk.code_scores(torch.randn(1, 1, 16), layer.keys, layer.kmin, layer.kmax, codes, layer.valid, 9, 4, _variant="x")
+    with pytest.raises(ValueError):  # the kernel reads kmin and kmax with one set of strides
+        tk.code_scores(torch.randn(1, 1, 16), layer.keys, layer.kmin, layer.kmax.transpose(2, 3).contiguous().transpose(2, 3),
+                       codes, layer.valid, 9, 4)

@@ -2,13 +2,13 @@
 from .append import append_kv, append_kv_ref, append_token_at, append_token_at_ref
 from .score import REDUCES, score_pages, score_pages_ref
 from .sparse_attention import sparse_decode_attention, sparse_decode_attention_ref
-from .topk import topk_pages, topk_pages_ref
+from .topk import top_p_mask, top_p_mask_ref, topk_pages, topk_pages_ref
 
 __all__ = [
     "REDUCES",
     "append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref",
     "score_pages", "score_pages_ref",
-    "topk_pages", "topk_pages_ref",
+    "topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref",
     "sparse_decode_attention", "sparse_decode_attention_ref",
 ]
 from .key_codes import code_scores, code_scores_ref, encode_codes, encode_codes_ref  # noqa: E402

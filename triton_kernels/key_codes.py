@@ -177,6 +177,28 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
 
 
 @triton.jit
+def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN, WINDOW_START, scale,
+                  D: tl.constexpr, PAGE: tl.constexpr, USE_LSE: tl.constexpr):
+    """Page P - 1, whose codes are not written yet: +inf, or its exact log mass from the keys."""
+    if USE_LSE:
+        o_d = tl.arange(0, D)
+        o_slot = (P - 1) * PAGE + tl.arange(0, PAGE)
+        m_in = o_slot < SEQ_LEN
+        b_k = tl.load(p_k + o_slot[:, None] * stride_kc + o_d[None, :] * stride_kd, mask=m_in[:, None],
+                      other=0.0).to(tl.float32)
+        b_val = tl.load(p_val + o_slot * stride_vac, mask=m_in, other=0)
+        m_tok = (b_val != 0) & m_in & (o_slot >= WINDOW_START)
+        b_q = tl.load(p_q + o_d * stride_qd).to(tl.float32)
+        b_s = tl.where(m_tok, tl.sum(b_k * b_q[None, :], axis=1) * scale, float("-inf"))
+        b_m = tl.max(b_s, axis=0)
+        b_safe = tl.where(b_m > float("-inf"), b_m, 0.0)
+        b_l = tl.sum(tl.exp(b_s - b_safe), axis=0)
+        tl.store(p_out, tl.where(b_m > float("-inf"), b_safe + tl.log(tl.maximum(b_l, 1.0)), float("-inf")))
+    else:
+        tl.store(p_out, float("inf"))
+
+
+@triton.jit
 def _code_scores_kernel(
     q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr,
     stride_qb, stride_qh, stride_qd,
@@ -185,85 +207,260 @@ def _code_scores_kernel(
     stride_cb, stride_ch, stride_cc,
     stride_vab, stride_vac,
     stride_ob, stride_oh, stride_op,
-    H_KV, P, SEQ_LEN, WINDOW_START, scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr,
-    BITS: tl.constexpr, USE_LSE: tl.constexpr,
+    H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, ONE, scale,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr,
+    USE_LSE: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b = i_bh // H_KV
-    i_h = i_bh % H_KV
-    PER: tl.constexpr = 8 // BITS
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    N: tl.constexpr = BLOCK_P * PAGE
-    o_g = tl.arange(0, G_PAD)
-    o_d = tl.arange(0, D)
-    o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = tl.arange(0, N)
-    o_slot = tl.program_id(1) * N + o_n
-    o_pn = o_slot // PAGE  # page of each token
-    m_g = o_g < G
-    b_q = tl.load(q_ptr + i_b * stride_qb + (i_h * G + o_g[:, None]) * stride_qh + o_d[None, :] * stride_qd,
-                  mask=m_g[:, None], other=0.0).to(tl.float32)
-    # Per token: its page's grid (re-read per token from L1: a page row is D elements) and its codes.
-    m_n = o_pn < P
-    p_lo = lo_ptr + i_b * stride_lb + i_h * stride_lh + o_pn[:, None] * stride_lp + o_d[None, :] * stride_ld
-    b_lo = tl.load(p_lo, mask=m_n[:, None], other=0.0).to(tl.float32)
-    b_hi = tl.load(hi_ptr + i_b * stride_lb + i_h * stride_lh + o_pn[:, None] * stride_lp + o_d[None, :] * stride_ld,
-                   mask=m_n[:, None], other=0.0).to(tl.float32)
-    # A page is empty when every channel has min > max (+inf/-inf); its tokens are all padding anyway.
-    m_grid = b_hi >= b_lo
-    b_step = tl.where(m_grid, (b_hi - b_lo) / LEVELS, 0.0)
-    b_lo = tl.where(m_grid, b_lo, 0.0)
-    if BITS == 1:  # two levels: the centres of the page's lower and upper half, not its corners
-        b_lo = b_lo + 0.25 * b_step
-        b_step = 0.5 * b_step
-    m_cur = o_pn == P - 1
-    m_code = m_n & (o_pn < P - 1)
-    b_byte = tl.load(c_ptr + i_b * stride_cb + i_h * stride_ch + o_slot[:, None] * stride_cc + (o_d // PER)[None, :],
-                     mask=m_code[:, None], other=0).to(tl.int32)
-    b_code = (b_byte >> ((o_d % PER) * BITS)[None, :]) & LEVELS
-    b_k = b_lo + b_code.to(tl.float32) * b_step
-    # The current page's codes are not written yet: read its exact keys (at most one page, one program).
-    b_kx = tl.load(k_ptr + i_b * stride_kb + i_h * stride_kh + o_slot[:, None] * stride_kc + o_d[None, :] * stride_kd,
-                   mask=(m_cur & (o_slot < SEQ_LEN))[:, None], other=0.0).to(tl.float32)
-    b_k = tl.where(m_cur[:, None], b_kx, b_k)
-    b_s = tl.dot(b_k, tl.trans(b_q), input_precision="ieee")  # [N, G_PAD]
-    b_val = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=o_slot < SEQ_LEN, other=0)
-    m_tok = (b_val != 0) & (o_slot < SEQ_LEN) & (o_slot >= WINDOW_START)
-    b_s = tl.where(m_tok[:, None], b_s, float("-inf"))
-    b_s = tl.reshape(b_s, [BLOCK_P, PAGE, G_PAD])
-    b_m = tl.max(b_s, axis=1)  # [BLOCK_P, G_PAD]
-    if USE_LSE:
-        b_m = b_m * scale
-        b_safe = tl.where(b_m > float("-inf"), b_m, 0.0)
-        b_l = tl.sum(tl.exp(b_s * scale - b_safe[:, None, :]), axis=1)
-        b_out = tl.where(b_m > float("-inf"), b_safe + tl.log(b_l), float("-inf"))
+    # One query head per program: the G heads of a KV group are neighbouring programs, so the codes they share
+    # come from L2 after the first. (Looping over the heads in one program would hold G heads' accumulators, or
+    # the unpacked codes, in registers.)
+    i_bq = tl.program_id(0).to(tl.int64)
+    i_pb = tl.program_id(1)
+    i_b = i_bq // H_Q
+    i_q = i_bq % H_Q
+    i_h = i_q // G
+    p_q = q_ptr + i_b * stride_qb + i_q * stride_qh
+    p_out = out_ptr + i_b * stride_ob + i_q * stride_oh
+    if i_pb == N_BLOCKS:
+        _current_page(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab,
+                      p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN,
+                      WINDOW_START, scale, D, PAGE, USE_LSE)
     else:
-        b_out = tl.where((o_p == P - 1)[:, None], float("inf"), b_m)
-    p_out = out_ptr + i_b * stride_ob + (i_h * G + o_g[None, :]) * stride_oh + o_p[:, None] * stride_op
-    tl.store(p_out, b_out, mask=(o_p < P)[:, None] & m_g[None, :])
+        # BLOCK_P complete pages (all before P - 1). Codes are read as bytes [PAGE, BLOCK_P, NB] (NB = D / PER
+        # bytes a token) and never expanded to channels: code k of byte j is channel PER * j + k, so for each k
+        # the page grid enters as a [BLOCK_P, NB] tile of channels PER * j + k, broadcast over the page's tokens.
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D // PER
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        m_p = o_p < P - 1
+        o_j = tl.arange(0, NB)
+        o_slot = o_p[None, :] * PAGE + tl.arange(0, PAGE)[:, None]  # [PAGE, BLOCK_P]
+        b_val = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_p[None, :], other=0)
+        m_tok = (b_val != 0) & m_p[None, :] & (o_slot >= WINDOW_START)  # complete pages: all below SEQ_LEN
+        b_byte = tl.load(c_ptr + i_b * stride_cb + i_h * stride_ch + o_slot[:, :, None] * stride_cc
+                         + o_j[None, None, :], mask=m_p[None, :, None], other=0).to(tl.int32)
+        p_lo = lo_ptr + i_b * stride_lb + i_h * stride_lh + o_p[:, None] * stride_lp + (PER * o_j)[None, :] * stride_ld
+        p_hi = hi_ptr + i_b * stride_lb + i_h * stride_lh + o_p[:, None] * stride_lp + (PER * o_j)[None, :] * stride_ld
+        b_acc = tl.zeros([PAGE, BLOCK_P, NB], dtype=tl.float32)
+        b_c0 = tl.zeros([BLOCK_P, NB], dtype=tl.float32)
+        for k in tl.static_range(PER):
+            # Channels PER * j + k of the grid: strided loads, but the lines are shared by the PER passes (L1).
+            b_lo = tl.load(p_lo + k * stride_ld, mask=m_p[:, None], other=0.0).to(tl.float32)
+            b_hi = tl.load(p_hi + k * stride_ld, mask=m_p[:, None], other=0.0).to(tl.float32)
+            b_q = tl.load(p_q + (PER * o_j + k) * stride_qd).to(tl.float32)
+            # A page is empty when every channel has min > max (+inf/-inf); its tokens are all padding.
+            m_grid = b_hi >= b_lo
+            b_step = tl.where(m_grid, (b_hi - b_lo) / LEVELS, 0.0)
+            b_lo = tl.where(m_grid, b_lo, 0.0)
+            if BITS == 1:  # two levels: the centres of the page's lower and upper half, not its corners
+                b_lo = b_lo + 0.25 * b_step
+                b_step = 0.5 * b_step
+            # The code is read as the float f = 1 + code / 2^BITS (below), so with s = 2^BITS * step:
+            # q.(lo + code * step) = q.(lo - s) + (q * s).f
+            b_step = b_step * (1 << BITS)
+            b_c0 += (b_lo - b_step) * b_q[None, :]
+            # f: the code shifted to the top BITS of an fp32 mantissa under exponent 0 (ONE = 1.0f's bits, a
+            # runtime value so that mask and or fuse into one LOP3): a shift and a LOP3 per code instead of an
+            # int->float conversion, which runs at a quarter of the FMA rate.
+            b_f = (((b_byte << (23 - BITS - BITS * k)) & (LEVELS << (23 - BITS))) | ONE).to(tl.float32, bitcast=True)
+            b_acc += b_f * (b_step * b_q[None, :])[None, :, :]
+        b_s = tl.sum(b_acc, axis=2) + tl.sum(b_c0, axis=1)[None, :]  # [PAGE, BLOCK_P]
+        if USE_LSE:
+            b_s = tl.where(m_tok, b_s * scale, float("-inf"))
+            b_m = tl.max(b_s, axis=0)
+            b_safe = tl.where(b_m > float("-inf"), b_m, 0.0)
+            b_l = tl.sum(tl.exp(b_s - b_safe[None, :]), axis=0)
+            b_out = tl.where(b_m > float("-inf"), b_safe + tl.log(tl.maximum(b_l, 1.0)), float("-inf"))
+        else:
+            b_out = tl.max(tl.where(m_tok, b_s, float("-inf")), axis=0)
+        tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
 
 
-# Pages per program: 8 pages of 16 tokens = a 128 x D tile of estimated keys; at 32K and 8 KV heads this is
-# 256 programs per KV head row.
-BLOCK_P = 8
+@triton.jit
+def _fma_codes(acc, x, a, I0: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr):
+    """acc += code_i(x) * a_i for the N codes i = I0 + STEP * k of word x (code i at bit BITS * i < 16); a's last
+    dimensions are N = 2^n entries as n levels of 2 in registers (the last level the lowest bit of k), split here.
+    The masked word read as fp32 is code * 2^(BITS * i - 149), a denormal (exact: FFMA keeps denormals), so a
+    code costs one LOP3 and one FFMA; a_i carries 2^(149 - BITS * i) (and the sums a 2^-64, see the kernel)."""
+    if N == 1:
+        f = (x & (((1 << BITS) - 1) << (BITS * I0))).to(tl.float32, bitcast=True)
+        acc += f * a[:, :, None]
+    else:
+        a0, a1 = tl.split(a)
+        acc = _fma_codes(acc, x, a0, I0, 2 * STEP, N // 2, BITS)
+        acc = _fma_codes(acc, x, a1, I0 + STEP, 2 * STEP, N // 2, BITS)
+    return acc
+
+
+@triton.jit
+def _code_scores_words_kernel(
+    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_lb, stride_lh, stride_lp, stride_ld,
+    stride_cb, stride_ch, stride_cc,
+    stride_vab, stride_vac,
+    stride_ob, stride_oh, stride_op,
+    H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, ONE, scale,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr,
+    SEG: tl.constexpr, USE_LSE: tl.constexpr,
+):
+    # One query head x BLOCK_P complete pages a program (the G heads of a KV group are neighbouring programs:
+    # their codes come from L2 after the first). Codes are read as int64, two 32-bit words (2 x 32 / BITS
+    # channels) of a token. Tiles are [NW2, BLOCK_P, PAGE]: a thread holds one (word pair, page) for all PAGE
+    # tokens, so a page's grid value q.step of a channel is computed once for PAGE tokens, a token's sum is
+    # split over NW2 lanes only, and a code costs a LOP3 and an FFMA (see _fma_codes).
+    # (ONE is unused here: the launch arguments are the "bytes" kernel's.)
+    i_bq = tl.program_id(0).to(tl.int64)
+    i_pb = tl.program_id(1)
+    i_b = i_bq // H_Q
+    i_q = i_bq % H_Q
+    i_h = i_q // G
+    p_q = q_ptr + i_b * stride_qb + i_q * stride_qh
+    p_out = out_ptr + i_b * stride_ob + i_q * stride_oh
+    if i_pb == N_BLOCKS:
+        _current_page(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab,
+                      p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN,
+                      WINDOW_START, scale, D, PAGE, USE_LSE)
+    else:
+        CPW: tl.constexpr = 32 // BITS  # codes a word
+        NW2: tl.constexpr = D // (2 * CPW)  # word pairs a token
+        NSEG: tl.constexpr = CPW // SEG  # segments of SEG codes (at most 16 bits) a word
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        # est = lo + (OFF + code * SC) * (hi - lo); at 1 bit the two levels are the centres of the two halves
+        OFF: tl.constexpr = 0.25 if BITS == 1 else 0.0
+        SC: tl.constexpr = 0.5 if BITS == 1 else 1.0 / LEVELS
+        UNIT: tl.constexpr = 2.0 ** -64
+        o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        m_p = o_p < P - 1
+        o_m = tl.arange(0, NW2)
+        o_i = tl.arange(0, SEG)
+        o_slot = o_p[:, None] * PAGE + tl.arange(0, PAGE)[None, :]  # [BLOCK_P, PAGE]
+        # Tiles are [NW2, BLOCK_P, PAGE or SEG]: where the loads' contiguity ties, the compiler gives the lanes
+        # to the leading dimensions, so NW2 x BLOCK_P take the lanes and PAGE (SEG) stays in a thread. Every tile
+        # derives its layout from these loads (q is read in the min/max tile's shape; no zeros-initialised
+        # accumulators), so no layout conversions. Codes: byte offsets, the pointer cast after, so that a
+        # thread's word pair stays one 8-byte load.
+        p_w = (c_ptr + i_b * stride_cb + i_h * stride_ch + o_slot[None, :, :] * stride_cc
+               + 8 * o_m[:, None, None]).to(tl.pointer_type(tl.int64))
+        b_x = tl.load(p_w, mask=m_p[None, :, None], other=0)  # [NW2, BLOCK_P, PAGE]
+        p_lo = lo_ptr + i_b * stride_lb + i_h * stride_lh + o_p[None, :, None] * stride_lp
+        p_hi = hi_ptr + i_b * stride_lb + i_h * stride_lh + o_p[None, :, None] * stride_lp
+        # The sums run in units of 2^-64 (UNIT): code i of a segment, at bit BITS * i of the (shifted) word, is read
+        # as the denormal code * 2^(BITS * i - 149), so its weight carries 2^(149 - 64 - BITS * i) (exact powers
+        # of two, built from their bits). The unit keeps those weights finite for |q.step| < 2^43 and the sums
+        # normal down to |score| ~ 2^-62.
+        b_pow = (SC * ((127 + 85 - BITS * o_i) << 23).to(tl.float32, bitcast=True))[None, None, :]
+        for s in tl.static_range(2):
+            if s == 0:
+                b_w = b_x.to(tl.int32)
+            else:
+                b_w = (b_x >> 32).to(tl.int32)
+            for j in tl.static_range(NSEG):
+                o_c = (CPW * (2 * o_m + s) + SEG * j)[:, None, None] + o_i[None, None, :]  # [NW2, 1, SEG] channels
+                b_lo = tl.load(p_lo + o_c * stride_ld, mask=m_p[None, :, None], other=0.0).to(tl.float32)
+                b_hi = tl.load(p_hi + o_c * stride_ld, mask=m_p[None, :, None], other=0.0).to(tl.float32)
+                # q in the min/max tile's shape (the same address over BLOCK_P): the same layout, from L1
+                b_q = tl.load(p_q + o_c * stride_qd + 0 * o_p[None, :, None]).to(tl.float32)  # [NW2, BLOCK_P, SEG]
+                b_span = b_hi - b_lo
+                if OFF != 0.0:
+                    b_t = tl.sum((b_lo + OFF * b_span) * b_q, axis=2)  # [NW2, BLOCK_P]
+                else:
+                    b_t = tl.sum(b_lo * b_q, axis=2)
+                if s * NSEG + j == 1:
+                    b_c0 = b_t
+                elif s * NSEG + j > 1:
+                    b_c0 += b_t
+                b_a = b_span * (b_q * b_pow)
+                if SEG == 8:
+                    b_a = tl.reshape(b_a, [NW2, BLOCK_P, 2, 2, 2])
+                elif SEG == 4:
+                    b_a = tl.reshape(b_a, [NW2, BLOCK_P, 2, 2])
+                else:
+                    b_a = tl.reshape(b_a, [NW2, BLOCK_P, 2])
+                if j == 0:
+                    b_xs = b_w
+                else:
+                    b_xs = b_w >> (BITS * SEG * j)
+                if s == 0 and j == 0:  # the first segment's part of sum_c q.lo starts the sums; the rest (b_c0) after
+                    b_acc = _fma_codes((b_t * UNIT)[:, :, None], b_xs, b_a, 0, 1, SEG, BITS)
+                else:
+                    b_acc = _fma_codes(b_acc, b_xs, b_a, 0, 1, SEG, BITS)
+        b_s = tl.sum(b_acc, axis=0) * (1.0 / UNIT) + tl.sum(b_c0, axis=0)[:, None]  # [BLOCK_P, PAGE]
+        b_val = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_p[:, None], other=0)
+        m_tok = (b_val != 0) & m_p[:, None] & (o_slot >= WINDOW_START)  # complete pages: all below SEQ_LEN
+        if USE_LSE:
+            b_s = tl.where(m_tok, b_s * scale, float("-inf"))
+            b_m = tl.max(b_s, axis=1)
+            b_safe = tl.where(b_m > float("-inf"), b_m, 0.0)
+            b_l = tl.sum(tl.exp(b_s - b_safe[:, None]), axis=1)
+            b_out = tl.where(b_m > float("-inf"), b_safe + tl.log(tl.maximum(b_l, 1.0)), float("-inf"))
+        else:
+            b_out = tl.max(tl.where(m_tok, b_s, float("-inf")), axis=1)  # [BLOCK_P]
+        tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
+
+
+# Defaults of the two variants (sweep: scripts/bench_qcode_kernel.py). "bytes" (round 1): complete pages per
+# program and warps. "words": warps; its BLOCK_P defaults to num_warps x 32 / NW2 (NW2 = word pairs a token: 4
+# at D 128, 2 bits), which keeps every thread on one whole page (wider gives a thread more pages, narrower
+# splits a page's tokens over lanes). sm_90 build (triton 3.6) at D 128, 2 bits, page 16, 2 warps: 96
+# registers, no spills, no shared memory, 1736 instructions a thread for 512 channel-tokens (~3.4 each; the
+# code loop 2: LOP3 + FFMA).
+BLOCK_P = 16
+NUM_WARPS = 4
+VARIANT = "words"
+WORDS_NUM_WARPS = 2
+VARIANTS = ("words", "bytes")
+
+
+def _words_ok(codes, D, bits):
+    """The "words" kernel reads a token's codes as 8-byte pairs of 32-bit words."""
+    return (D * bits) % 64 == 0 and codes.data_ptr() % 8 == 0 and all(st % 8 == 0 for st in codes.stride()[:3])
 
 
 def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: int, window_start: int = 0,
-                bits: int = 2, mode: str = "max", scale: float = 1.0):
-    """Triton twin of `code_scores_ref`: one program per (batch x KV head, BLOCK_P pages), all G query heads."""
+                bits: int = 2, mode: str = "max", scale: float = 1.0, *, _block_p=None, _num_warps=None,
+                _variant=None):
+    """Triton twin of `code_scores_ref` (kmin and kmax must share strides).
+
+    Programs per (batch x query head): one per BLOCK_P complete pages, plus one for the current page.
+    Benchmark knobs: `_variant` ("words", the default where the codes allow it: D * bits a multiple of 64 and
+    8-byte aligned rows; else "bytes", round 1's kernel), `_block_p` (power of two), `_num_warps`.
+    """
     require_triton()
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
     if D & (D - 1) or D < 16:
         raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16, got {D}")
+    if kmin.stride() != kmax.stride():
+        raise ValueError(f"kmin and kmax must share strides, got {kmin.stride()} and {kmax.stride()}")
+    variant = _variant or VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"_variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "words" and not _words_ok(codes, D, bits):
+        variant = "bytes"
     out = torch.empty(B, H * G, P, dtype=torch.float32, device=q.device)
-    block_p = max(1, min(BLOCK_P, 256 // page_size))
-    _code_scores_kernel[(B * H, triton.cdiv(P, block_p))](
-        q, k_cache, kmin, kmax, codes, valid, out,
-        *q.stride(), *k_cache.stride(), *kmin.stride(), codes.stride(0), codes.stride(1), codes.stride(2),
-        *valid.stride(), *out.stride(),
-        H, P, seq_len, window_start, scale,
-        G=G, G_PAD=max(16, next_pow2(G)), D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits,
-        USE_LSE=mode == "lse", num_warps=4,
+    common = (q, k_cache, kmin, kmax, codes, valid, out,
+              *q.stride(), *k_cache.stride(), *kmin.stride(), codes.stride(0), codes.stride(1), codes.stride(2),
+              *valid.stride(), *out.stride())
+    if variant == "words":
+        # One page a thread: a warp's lanes are NW2 word pairs x 32 / NW2 pages. No wider than the complete pages.
+        num_warps = _num_warps or WORDS_NUM_WARPS
+        block_p = _block_p or max(1, num_warps * 32 // (D * bits // 64))
+        block_p = min(block_p, next_pow2(max(1, P - 1)))
+        n_blocks = triton.cdiv(P - 1, block_p)
+        _code_scores_words_kernel[(B * H * G, n_blocks + 1)](
+            *common, H * G, P, seq_len, window_start, n_blocks, 0x3F800000, scale,
+            G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, SEG=min(16 // bits, 8),
+            USE_LSE=mode == "lse", num_warps=num_warps,
+        )
+        return out
+    block_p = _block_p or max(1, BLOCK_P * 16 // page_size)
+    block_p = min(block_p, next_pow2(max(1, P - 1)))
+    n_blocks = triton.cdiv(P - 1, block_p)
+    _code_scores_kernel[(B * H * G, n_blocks + 1)](
+        *common, H * G, P, seq_len, window_start, n_blocks, 0x3F800000, scale,
+        G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, USE_LSE=mode == "lse",
+        num_warps=_num_warps or NUM_WARPS,
     )
     return out

@@ -3,7 +3,7 @@ import torch
 
 from ._common import next_pow2, require_triton, tl, triton
 
-__all__ = ["topk_pages", "topk_pages_ref"]
+__all__ = ["topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref"]
 
 
 def _check(scores, k, group):
@@ -36,12 +36,14 @@ def topk_pages_ref(scores, k: int, group: int = 1):
 
 
 # A group's [G, P] scores stay in registers up to this many keys (P = 2053 capacity pages at 32K + 128 new
-# tokens is one 4096-wide tile); longer rows loop over tiles re-read from L1/L2 on every pass.
-MAX_TILE = 16384
+# tokens is one 4096-wide tile; a union of 4 rows at 128K is 4 x 8192); longer rows loop over tiles
+# re-read from L1/L2 on every pass.
+MAX_TILE = 32768
 # Sets num_warps (at most MAX_WARPS): on an H200, 16 keys a thread (4 warps at P = 2048, 8 at 4096) beat 1-2
 # warps by 1.2-3.8x and tied 8 warps at 2048 (benchmarks/kernels_round3/topk_log.txt).
 KEYS_PER_THREAD = 16
 MAX_WARPS = 8
+BIG_TILE_WARPS = 16  # tiles over 16384 keys: 16 warps in one tile beat 8 warps over 4 tiles (58 vs 74 us)
 # -inf pages are never chosen; INT_MIN is no real key (it would be a NaN) and marks lanes past P.
 NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
 INT_MIN = tl.constexpr(-2147483648)
@@ -187,7 +189,8 @@ def launch_config(P: int, group: int):
     single = g_pad * block_p <= MAX_TILE
     if not single:
         block_p = max(16, MAX_TILE // g_pad)
-    warps = max(1, min(MAX_WARPS, g_pad * block_p // (32 * KEYS_PER_THREAD)))
+    keys = g_pad * block_p
+    warps = BIG_TILE_WARPS if keys > 16384 else max(1, min(MAX_WARPS, keys // (32 * KEYS_PER_THREAD)))
     return block_p, warps, single
 
 
@@ -214,4 +217,83 @@ def topk_pages(scores, k: int, group: int = 1, *, _num_warps: int | None = None,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single,
         num_warps=_num_warps or warps,
     )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- top-p mask
+
+def top_p_mask_ref(log_mass, top_p: float, k: int):
+    """Scores `[B, R, P]` for `topk_pages` that keep, per row, the fewest pages whose mass reaches `top_p`.
+
+    `log_mass` fp32 `[B, R, P]`: each page's log attention mass (`-inf`: never chosen), the last page the
+    current one (always kept: `+inf` in the result). A page is kept when its mass is at least that of the
+    page completing `top_p` of the row's total (ties kept); `topk_pages(result, k)` then caps it at `k`
+    (`k` is only validated here: capping before or after choosing gives the same pages).
+    """
+    if log_mass.dim() != 3 or log_mass.dtype != torch.float32:
+        raise ValueError(f"log_mass must be fp32 [B, R, P], got {log_mass.dtype} {tuple(log_mass.shape)}")
+    if not 0.0 < top_p <= 1.0 or k < 1:
+        raise ValueError(f"need 0 < top_p <= 1 and k >= 1, got top_p={top_p}, k={k}")
+    mass = torch.softmax(log_mass, dim=-1)
+    srt = mass.sort(-1, descending=True).values
+    before = srt.cumsum(-1) - srt  # mass of the better pages
+    need = (before < top_p).sum(-1, keepdim=True).clamp(min=1)
+    thr = srt.gather(-1, need - 1)
+    keep = (mass >= thr) & (mass > 0)
+    out = torch.where(keep, log_mass, float("-inf"))
+    out[..., -1] = float("inf")
+    return out
+
+
+@triton.jit
+def _top_p_mask_kernel(
+    s_ptr, out_ptr, stride_sr, stride_sp, stride_or, stride_op, P, top_p,
+    BLOCK_P: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    o_p = tl.arange(0, BLOCK_P)
+    m_p = o_p < P
+    b_s = tl.load(s_ptr + i_r * stride_sr + o_p * stride_sp, mask=m_p, other=float("-inf"))
+    b_key = tl.where(m_p, _order_key(b_s), INT_MIN)
+    m_fin = b_key > NEG_INF_KEY
+    b_max = tl.max(tl.where(m_fin, b_s, float("-inf")), axis=0)
+    b_w = tl.where(m_fin, tl.exp(b_s - b_max), 0.0)
+    target = top_p * tl.sum(b_w, axis=0)
+    # The kept pages are those >= T, T the largest score whose pages at or above it hold `target`: a radix
+    # search like topk_pages' with mass sums in place of counts (2 bits a pass, from the sign bit).
+    i_lo = tl.zeros([], dtype=tl.int32) + INT_MIN
+    for i_pass in tl.static_range(16):
+        i_d = tl.full([], 1, tl.int32) << (30 - 2 * i_pass)  # wrapping int32 steps, as in topk_pages
+        t1 = i_lo + i_d
+        t2 = t1 + i_d
+        t3 = t2 + i_d
+        w1 = tl.sum(tl.where(b_key >= t1, b_w, 0.0), axis=0)
+        w2 = tl.sum(tl.where(b_key >= t2, b_w, 0.0), axis=0)
+        w3 = tl.sum(tl.where(b_key >= t3, b_w, 0.0), axis=0)
+        i_digit = (w1 >= target).to(tl.int32) + (w2 >= target).to(tl.int32) + (w3 >= target).to(tl.int32)
+        i_lo = i_lo + i_digit * i_d
+    keep = (b_key >= i_lo) & (b_w > 0)
+    b_out = tl.where(keep, b_s, float("-inf"))
+    b_out = tl.where(o_p == P - 1, float("inf"), b_out)
+    tl.store(out_ptr + i_r * stride_or + o_p * stride_op, b_out, mask=m_p)
+
+
+def top_p_mask(log_mass, top_p: float, k: int):
+    """Triton twin of `top_p_mask_ref` (one program per row; rows up to 16384 pages). The mass sums are
+    reduced in another order than the reference's sorted cumsum: a page whose cumulative mass lands within
+    float rounding of `top_p` may be kept by one and not the other."""
+    require_triton()
+    if log_mass.dim() != 3 or log_mass.dtype != torch.float32:
+        raise ValueError(f"log_mass must be fp32 [B, R, P], got {log_mass.dtype} {tuple(log_mass.shape)}")
+    if not 0.0 < top_p <= 1.0 or k < 1:
+        raise ValueError(f"need 0 < top_p <= 1 and k >= 1, got top_p={top_p}, k={k}")
+    B, R, P = log_mass.shape
+    if P > 16384:
+        raise ValueError(f"top_p_mask takes rows of at most 16384 pages, got {P}")
+    s = log_mass.reshape(B * R, P)
+    out = torch.empty(B, R, P, dtype=torch.float32, device=log_mass.device)
+    o = out.view(B * R, P)
+    block = max(16, next_pow2(P))
+    _top_p_mask_kernel[(B * R,)](s, o, s.stride(0), s.stride(1), o.stride(0), o.stride(1), P, float(top_p),
+                                 BLOCK_P=block, num_warps=max(1, min(8, block // 512)))
     return out

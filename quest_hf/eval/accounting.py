@@ -6,7 +6,9 @@ import math
 
 # Bits per key channel and token of the "qcode" selectors (quest_hf/selectors_qcode.py): bits, not bytes of the
 # cache dtype, so their share of the bytes is smaller in fp32 than in fp16.
-CODE_BITS = {"qcode": 2, "qcode_topp": 2, "qcode1": 1}
+CODE_BITS = {"qcode": 2, "qcode_topp": 2, "qcode1": 1, "qcode1_topp": 1}
+# Two-stage selectors: (bits, candidates): codes are read for at most `group * candidates * budget` tokens.
+TWO_STAGE = {"qcode2s": (2, 8), "qcode1_2s": (1, 8)}
 
 
 def dense_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int) -> int:
@@ -31,6 +33,11 @@ def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int
         codes = math.ceil(seq_len * head_dim * CODE_BITS[policy] / 8) * kv_heads
         current = kv_heads * page_size * head_dim * elt
         return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + codes + current + pages_read * page
+    if policy in TWO_STAGE:  # quest's min/max + the candidates' codes (an upper bound: group x candidates) + K/V
+        bits, cand = TWO_STAGE[policy]
+        tokens = min(math.ceil(seq_len / page_size), group * cand * max(1, budget // page_size)) * page_size
+        codes = math.ceil(tokens * head_dim * bits / 8) * kv_heads
+        return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + codes + pages_read * page
     if policy == "streaming":
         return pages_read * page
     if policy == "oracle":
