@@ -21,11 +21,14 @@ Per-slot state: `layer.side["qcode<bits>"]` uint8 `[B, H_kv, C, D * bits // 8]`,
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
 import triton_kernels as tk
 from triton_kernels.key_codes import code_bytes
 
 from .selectors import Selector
+
+logger = logging.get_logger("quest_hf")
 
 
 class QCodeSelector(Selector):
@@ -151,6 +154,9 @@ class TwoStageCodeSelector(QCodeSelector):
         bound = ops.score_pages(q, layer.kmin, layer.kmax, L, S, window_start, "none")  # [B, Hq, P]
         B, Hq, P = bound.shape
         cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages), 1)        # per query head
+        if ops.name == "triton":  # stages 1 and 3 run the kernels; say that stage 2 does not
+            logger.warning_once("quest-hf: the two-stage selectors score their candidate pages with PyTorch "
+                                "ops (no Triton kernel yet); page scoring, Top-K and attention use the kernels")
         est = candidate_code_scores(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, cand, L, S,
                                     window_start, self.bits)
         s = bound.new_full((B, Hq, P + 1), float("-inf"))

@@ -77,3 +77,12 @@ def test_budget_covering_the_context_is_dense(single_thread):
     ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
     patch_model(model, config=QuestConfig(budget=256, backend="torch", policy="qcode1_2s"))
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kw), ref)
+
+
+def test_triton_backend_says_the_candidate_scoring_is_pytorch(single_thread, caplog):
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(60, 41))
+    patch_model(model, config=QuestConfig(budget=32, backend="triton", policy="qcode2s", cuda_graph=False))
+    with caplog.at_level("WARNING"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert "score their candidate pages with PyTorch ops" in caplog.text
