@@ -43,3 +43,19 @@ def add_model_args(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")
+
+
+def write_report(out: str, report: dict, title: str, notes: list[str], lines: list[str]) -> None:
+    """`report` as JSON at `out`, and beside it a markdown file: title, the environment block
+    (`report["env"]`), `notes` (bullet lines) and the table `lines`."""
+    import json
+
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1, ensure_ascii=False)
+    env = report["env"]
+    md = [f"# {title}", "", f"- command: `{env['command']}`", f"- date: {env['date']}",
+          f"- versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}",
+          f"- machine: {env['machine']} (device {env['device']})", *notes, "", *lines, ""]
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write("\n".join(md))

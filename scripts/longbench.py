@@ -11,14 +11,13 @@ Data: the Hub's THUDM/LongBench, or --data-dir with one <task>.jsonl per task (L
 Writes JSON (--out, with every prediction) and a Markdown report next to it.
 """
 import argparse
-import json
 import os
 import sys
 
 import torch
 from tqdm import tqdm
 
-from _common import DTYPES, add_model_args, environment, ints, model_tag  # scripts/_common.py (the script's folder is on sys.path)
+from _common import DTYPES, add_model_args, environment, ints, model_tag, write_report  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.longbench import TASKS, configs_for, evaluate, load_task
 from quest_hf.models import load_model
 
@@ -72,18 +71,9 @@ def main(argv=None):
     lines = ["| config | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     lines += [f"| {name} | " + " | ".join(f"{s[c]:.2f}" for c in cols) + " |" for name, s in r["scores"].items()]
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1, ensure_ascii=False)
-    env = report["env"]
-    md = [f"# LongBench, dense vs Quest: {report['model']}", "",
-          f"- command: `{env['command']}`", f"- date: {env['date']}",
-          f"- versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}",
-          f"- machine: {env['machine']} (device {env['device']})",
-          f"- data: {report['data']}; prompts truncated from the middle to {args.max_length} tokens; "
-          "QA tasks: token F1, gov_report: ROUGE-L (rouge-score), x 100", "", *lines, ""]
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write("\n".join(md))
+    write_report(out, report, f"LongBench, dense vs Quest: {report['model']}", [
+        f"- data: {report['data']}; prompts truncated from the middle to {args.max_length} tokens; "
+        "QA tasks: token F1, gov_report: ROUGE-L (rouge-score), x 100"], lines)
     print(f"wrote {out} (+ .md)")
 
 

@@ -11,7 +11,6 @@ text made of the Python stdlib's docstrings (no network, deterministic per Pytho
 Writes JSON (--out), a Markdown report and a PNG (ppl against budget) next to it.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -19,7 +18,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from _common import DTYPES, add_model_args, environment, ints, model_tag  # scripts/_common.py (the script's folder is on sys.path)
+from _common import DTYPES, add_model_args, environment, ints, model_tag, write_report  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.ppl import load_hub_text, perplexity_sweep, stdlib_text
 from quest_hf.models import load_model
 
@@ -106,21 +105,12 @@ def main(argv=None):
         lines.append(f"| {row['name']} | {budget} | {row['nll']:.4f} | {row['ppl']:.3f} | "
                      f"{row['ppl'] / dense['ppl']:.4f} |")
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    env = report["env"]
-    md = [f"# Perplexity, dense vs Quest: {report['model']}", "",
-          f"- command: `{env['command']}`", f"- date: {env['date']}",
-          f"- versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}",
-          f"- machine: {env['machine']} (device {env['device']})",
-          f"- text: {source}",
-          f"- {report['prefix_len']} tokens prefilled densely, then {report['decoded']} tokens decoded one per "
-          f"forward and scored; page size {report['page_size']}, first {report['dense_layers']} layers dense, "
-          f"gqa_mode {report['gqa_mode']}. The dense row decodes the same way with a budget covering everything "
-          "(HF SDPA in every layer).", "", *lines, ""]
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write("\n".join(md))
+    write_report(out, report, f"Perplexity, dense vs Quest: {report['model']}", [
+        f"- text: {source}",
+        f"- {report['prefix_len']} tokens prefilled densely, then {report['decoded']} tokens decoded one per "
+        f"forward and scored; page size {report['page_size']}, first {report['dense_layers']} layers dense, "
+        f"gqa_mode {report['gqa_mode']}. The dense row decodes the same way with a budget covering everything "
+        "(HF SDPA in every layer)."], lines)
     if not args.no_plot:
         plot(report, os.path.splitext(out)[0] + ".png")
     print(f"wrote {out} (+ .md{'' if args.no_plot else ', .png'})")

@@ -11,13 +11,12 @@ keep the passkey digits where a head's true top-10 wants them.
 Writes JSON (--out), a Markdown report and a PNG next to it.
 """
 import argparse
-import json
 import os
 
 import torch
 from tqdm import tqdm
 
-from _common import DTYPES, add_model_args, environment, ints, model_tag  # scripts/_common.py (the script's folder is on sys.path)
+from _common import DTYPES, add_model_args, environment, ints, model_tag, write_report  # scripts/_common.py (the script's folder is on sys.path)
 from quest_hf.eval.passkey import answer_digits, make_case
 from quest_hf.eval.recall import POLICIES, find_token_positions, measure_recall, num_runs
 from quest_hf.models import load_model
@@ -160,23 +159,13 @@ def main(argv=None):
 
     lines = tables(report)
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    env = report["env"]
-    md = [f"# Selection recall per layer: {report['model']}", "",
-          f"- command: `{env['command']}`", f"- date: {env['date']}",
-          f"- versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}",
-          f"- machine: {env['machine']} (device {env['device']})",
-          f"- passkey prompt (quest_hf.eval.passkey), needle depth {report['depth']}; page size {report['page_size']}, "
-          f"first {report['dense_layers']} layers dense, gqa_mode {report['gqa_mode']}",
-          "- cells: quest / oracle / streaming. `top-k recall`: fraction of each query head's true top-"
-          f"{report['topk']} tokens inside the tokens its KV head reads. `needle_top`: the same, restricted to "
-          "passkey-digit tokens in a head's true top-k ('-': no head attended the needle). `attended`: fraction of "
-          "query heads x steps whose true top-k holds a digit. The oracle is scored on the quest run's queries.",
-          *lines, ""]
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write("\n".join(md))
+    write_report(out, report, f"Selection recall per layer: {report['model']}", [
+        f"- passkey prompt (quest_hf.eval.passkey), needle depth {report['depth']}; page size {report['page_size']}, "
+        f"first {report['dense_layers']} layers dense, gqa_mode {report['gqa_mode']}",
+        "- cells: quest / oracle / streaming. `top-k recall`: fraction of each query head's true top-"
+        f"{report['topk']} tokens inside the tokens its KV head reads. `needle_top`: the same, restricted to "
+        "passkey-digit tokens in a head's true top-k ('-': no head attended the needle). `attended`: fraction of "
+        "query heads x steps whose true top-k holds a digit. The oracle is scored on the quest run's queries."], lines)
     if not args.no_plot:
         plot(report, os.path.splitext(out)[0] + ".png")
     print(f"wrote {out} (+ .md{'' if args.no_plot else ', .png'})")
