@@ -262,3 +262,4 @@ def patched(model, budget: int | None = None, page_size: int | None = None, *,
             unpatch_model(model)
         else:
             model._quest_state.config = previous
+            _set_compiled(model, model._quest_state)

@@ -145,3 +145,14 @@ def test_compile_decode_failure_is_logged_and_runs_eagerly(monkeypatch, caplog):
     assert "torch.compile of LlamaMLP failed" in caplog.text
     assert all(getattr(m, "_quest_compiled_calls", 0) == 0 for m in model._quest_state.compiled_modules)
     unpatch_model(model)
+
+
+def test_patched_context_puts_the_previous_compile_setting_back():
+    from quest_hf import patched, unpatch_model
+
+    model = tiny_model("llama")
+    patch_model(model, budget=32, compile_decode=False)
+    with patched(model, budget=64):  # compile_decode=True by default inside
+        assert model._quest_state.compiled_modules
+    assert not model._quest_state.compiled_modules and "forward" not in model.model.norm.__dict__
+    unpatch_model(model)
