@@ -21,15 +21,11 @@ Per-slot state: `layer.side["qcode<bits>"]` uint8 `[B, H_kv, C, D * bits // 8]`,
 from __future__ import annotations
 
 import torch
-from transformers.utils import logging
 
 import triton_kernels as tk
 from triton_kernels.key_codes import code_bytes
 
 from .selectors import Selector
-
-logger = logging.get_logger("quest_hf")
-
 
 class QCodeSelector(Selector):
     """Pages ranked by their best token's q.k estimated from `bits`-bit per-channel codes on the page grid.
@@ -99,42 +95,13 @@ class QCodeSelector(Selector):
         return ops.topk_pages(s.contiguous(), cfg.num_pages, 1)
 
 
-def candidate_code_scores(q, k_cache, kmin, kmax, codes, valid, cand, seq_len: int, page_size: int,
-                          window_start: int, bits: int) -> torch.Tensor:
-    """`code_scores_ref(mode="max")` of the candidate pages only: fp32 `[B, H_q, N]` for `cand` int32
-    `[B, H_q, N]` (page ids, -1 padding -> -inf). Reads the codes and min/max of those pages, nothing else."""
-    B, H, C, D = k_cache.shape
-    Hq, N, S = q.shape[1], cand.shape[-1], page_size
-    G = Hq // H
-    per, levels = 8 // bits, (1 << bits) - 1
-    ok_c = cand >= 0
-    p = cand.clamp(min=0).long()                                           # [B, Hq, N]
-    b = torch.arange(B, device=q.device)[:, None, None]
-    h = (torch.arange(Hq, device=q.device) // G)[None, :, None]
-    raw = codes.view(B, H, C // S, S, codes.shape[-1])[b, h, p].long()     # [B, Hq, N, S, bytes]
-    shifts = torch.arange(per, device=q.device) * bits
-    c = ((raw[..., None] >> shifts) & levels).reshape(B, Hq, N, S, D).float()
-    lo, hi = kmin[b, h, p].float(), kmax[b, h, p].float()                  # [B, Hq, N, D]
-    grid = hi >= lo
-    step = torch.where(grid, (hi - lo) / levels, 0.0)
-    lo = torch.where(grid, lo, 0.0)
-    if bits == 1:  # the centres of the page's lower and upper half, as code_scores_ref
-        lo, step = lo + 0.25 * step, 0.5 * step
-    base = (lo * q.float()[:, :, None]).sum(-1)                            # [B, Hq, N]
-    s = base[..., None] + (c * (step * q.float()[:, :, None])[..., None, :]).sum(-1)  # [B, Hq, N, S]
-    slot = p[..., None] * S + torch.arange(S, device=q.device)
-    ok = valid.gather(1, slot.reshape(B, -1).clamp(max=C - 1)).reshape(slot.shape)
-    ok = ok & (slot < seq_len) & (slot >= window_start) & ok_c[..., None]
-    return s.masked_fill(~ok, float("-inf")).amax(-1)
-
-
 class TwoStageCodeSelector(QCodeSelector):
     """Quest's bound picks `candidates` x the budget's pages per query head; the key codes re-rank only
     those pages (codes of the other pages are never read), and the best `budget // page_size` are kept.
 
     Where the bound fails, it still ranks the page holding the best token among its top few; the codes
     pick it out of them. Bytes: Quest's min/max + the candidates' codes (at most `group * candidates *
-    budget` tokens a KV head) + the chosen pages' K/V. PyTorch ops on every device (no kernel yet).
+    budget` tokens a KV head) + the chosen pages' K/V. Kernels: `score_pages`, `topk_pages`, `code_scores(pages=)`.
     """
 
     def __init__(self, bits: int = 1, candidates: int = 8):
@@ -149,20 +116,16 @@ class TwoStageCodeSelector(QCodeSelector):
     def select(self, layer, q, window_start):
         cfg, ops = layer.config, layer.ops
         codes = self._sync(layer, layer.seq_len)
-        H, S, L = layer.keys.shape[1], cfg.page_size, layer.seq_len
+        H, L = layer.keys.shape[1], layer.seq_len
         G = q.shape[1] // H
-        bound = ops.score_pages(q, layer.kmin, layer.kmax, L, S, window_start, "none")  # [B, Hq, P]
+        bound = ops.score_pages(q, layer.kmin, layer.kmax, L, cfg.page_size, window_start, "none")  # [B, Hq, P]
         B, Hq, P = bound.shape
-        cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages), 1)        # per query head
-        if ops.name == "triton":  # stages 1 and 3 run the kernels; say that stage 2 does not
-            logger.warning_once("quest-hf: the two-stage selectors score their candidate pages with PyTorch "
-                                "ops (no Triton kernel yet); page scoring, Top-K and attention use the kernels")
-        est = candidate_code_scores(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, cand, L, S,
-                                    window_start, self.bits)
-        s = bound.new_full((B, Hq, P + 1), float("-inf"))
-        s.scatter_(-1, torch.where(cand >= 0, cand.long(), P), est)  # padding lands in the dropped column
-        s = s[..., :P].contiguous()
-        s[..., P - 1] = float("inf")  # the current page (its codes are not written yet)
+        # Candidates per query head; every other page's bound becomes -inf in place.
+        cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages), 1, mask_rest=True)
+        score = tk.code_scores if ops.name == "triton" else tk.code_scores_ref
+        # The candidates' estimates over their bounds, +inf at the current page.
+        s = score(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, L, cfg.page_size, window_start,
+                  self.bits, "max", 1.0, cand, bound)
         if cfg.gqa_mode == "union":
             return ops.topk_pages(s, cfg.num_pages, G)
         s = s.reshape(B, H, G, P)

@@ -10,6 +10,8 @@ selection alone (`select`) is timed the same way, and dense SDPA over the whole 
 
     python scripts/bench_selector.py                    # GPU: 32K, budget 2048, llama2-7b and llama3-8b layers
     python scripts/bench_selector.py --tiny             # CPU smoke test (torch path, small sizes, wall clock)
+    python scripts/bench_selector.py --policies quest qcode1_2s/32 --check   # POLICY/PAGE: its own page size;
+                                                        # --check: the kernels' pages vs the PyTorch path's
 
 Writes bench_selector.json and bench_selector.md to $OUT (or --out).
 """
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quest_hf import QuestCache, QuestConfig  # noqa: E402
 from quest_hf.eval.accounting import dense_bytes, step_bytes  # noqa: E402
+from quest_hf.ops import TORCH  # noqa: E402
 from quest_hf.selectors import SELECTORS  # noqa: E402
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # H_q, H_kv, D
@@ -41,7 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--length", type=int, default=32768)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--policies", nargs="+", default=["quest", "qcode", "qcode1", "qcode_topp"])
+    p.add_argument("--policies", nargs="+", default=["quest", "qcode", "qcode1", "qcode_topp"],
+                   help="POLICY or POLICY/PAGE_SIZE (a page size other than --page-size for that row)")
+    p.add_argument("--check", action="store_true",
+                   help="also select with the PyTorch reference ops on the same layer and report the share of "
+                        "(KV head) page sets that equal the kernels' (ties may order differently)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
@@ -155,10 +162,19 @@ def main(argv=None):
         base_bytes = dense_bytes(L, H, D, elt)
         rows.append(dict(shape=shape, policy="dense (SDPA)", us=t_dense, select_us=None, bytes=base_bytes,
                          pages_per_kv_head=None))
-        for policy in args.policies:
+        for name in args.policies:
+            policy, _, page = name.partition("/")
+            S = int(page or args.page_size)
             cache, layer, q = build_layer(policy, Hq, H, D, L, args.budget, S, device, dtype, backend)
             full, sel_only = step_fn(policy, layer, q, scale), step_fn(policy, layer, q, scale, with_attention=False)
             ids, _ = full()
+            same = None
+            if args.check and layer.ops is not TORCH:
+                kernel_ops, layer.ops = layer.ops, TORCH
+                ref = SELECTORS[policy].select(layer, q, 0)
+                layer.ops = kernel_ops
+                sets = [(set(a.tolist()) - {-1}, set(b.tolist()) - {-1}) for a, b in zip(ids.flatten(0, 1), ref.flatten(0, 1))]
+                same = sum(a == b for a, b in sets) / len(sets)
             if cuda:
                 t = time_cuda(full, args.warmup, args.iters, not args.no_graph)
                 t_sel = time_cuda(sel_only, args.warmup, args.iters, not args.no_graph)
@@ -166,29 +182,32 @@ def main(argv=None):
                 t, t_sel = time_cpu(full, args.warmup, args.iters), time_cpu(sel_only, args.warmup, args.iters)
             pages = int((ids >= 0).sum())
             nbytes = step_bytes(policy, L, H, D, elt, S, pages, args.budget, Hq // H)
-            rows.append(dict(shape=shape, policy=policy, us=t, select_us=t_sel, bytes=nbytes,
-                             pages_per_kv_head=pages / H, backend=layer.ops.name))
+            rows.append(dict(shape=shape, policy=name, page_size=S, us=t, select_us=t_sel, bytes=nbytes,
+                             pages_per_kv_head=pages / H, backend=layer.ops.name, same_pages_as_ref=same))
             del cache, layer
             if cuda:
                 torch.cuda.empty_cache()
+        t_quest = next((r["us"] for r in rows if r["shape"] == shape and r["policy"] == "quest"), None)
         for r in rows:
             if r["shape"] == shape:
+                r["ratio_to_quest"] = r["us"] / t_quest if t_quest else None
                 r["ratio_to_dense"] = r["us"] / t_dense
                 r["gbps"] = r["bytes"] / (r["us"] * 1e-6) / 1e9
                 r["bytes_frac"] = r["bytes"] / base_bytes
     device_name = torch.cuda.get_device_name() if cuda else "cpu (torch path, --tiny)"
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name, length=L,
-                budget=args.budget, page_size=S, dtype=str(dtype), graph=cuda and not args.no_graph,
+                budget=args.budget, page_size=args.page_size, dtype=str(dtype), graph=cuda and not args.no_graph,
                 timing="CUDA events, median of %d replays" % args.iters if cuda else "wall clock median (CPU)",
                 torch=torch.__version__, command="python scripts/bench_selector.py " + " ".join(argv or sys.argv[1:]))
     md = ["# Selector decode step per layer (select + sparse attention)\n"] + [f"- {k}: {v}" for k, v in meta.items()]
-    md += ["", "| shape | policy | step us | select us | x dense | pages/KV head | bytes frac | GB/s |",
-           "|---|---|---|---|---|---|---|---|"]
+    md += ["", "| shape | policy | step us | select us | x dense | x quest | pages/KV head | bytes frac | GB/s | "
+           "same pages as ref |", "|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        sel = "-" if r["select_us"] is None else f"{r['select_us']:.1f}"
-        pages = "-" if r["pages_per_kv_head"] is None else f"{r['pages_per_kv_head']:.1f}"
-        md.append(f"| {r['shape']} | {r['policy']} | {r['us']:.1f} | {sel} | {r['ratio_to_dense']:.2f} | {pages} | "
-                  f"{r['bytes_frac']:.3f} | {r['gbps']:.0f} |")
+        md.append(f"| {r['shape']} | {r['policy']} | {r['us']:.1f} | {fmt(r['select_us'], '.1f')} | "
+                  f"{r['ratio_to_dense']:.2f} | {fmt(r.get('ratio_to_quest'), '.2f')} | "
+                  f"{fmt(r['pages_per_kv_head'], '.1f')} | {r['bytes_frac']:.3f} | {r['gbps']:.0f} | "
+                  f"{fmt(r.get('same_pages_as_ref'), '.3f')} |")
     text = "\n".join(md)
     print(text)
     out = Path(args.out)

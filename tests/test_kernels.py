@@ -241,6 +241,34 @@ def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch)
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("tile", [None, 256], ids=["one-tile", "tiled"])
+@pytest.mark.parametrize("B,R,P,k,group,ties", [(2, 3, 300, 40, 1, False), (1, 4, 700, 33, 4, False),
+                                                 (2, 2, 1000, 300, 1, True), (1, 2, 20, 50, 1, False)])
+def test_topk_mask_rest_leaves_each_rows_own_choice(B, R, P, k, group, ties, tile, monkeypatch):
+    # Two-stage selectors: the scores a row did not choose become -inf in place (the candidates keep theirs).
+    from triton_kernels import topk as topk_mod
+
+    if tile:
+        monkeypatch.setattr(topk_mod, "MAX_TILE", tile)
+    s = random_scores(B, R, P, seed=P + 1, ties=ties)
+    got_s, want_s = s.clone(), s.clone()
+    got = tk.topk_pages(got_s, k, group, mask_rest=True)
+    assert torch.equal(got, tk.topk_pages(s.clone(), k, group))  # the ids are as without mask_rest
+    tk.topk_pages_ref(want_s, k, group, mask_rest=True)
+    kept = got_s > float("-inf")
+    assert torch.equal(got_s[kept], s[kept])  # kept scores are untouched
+    assert (kept.sum(-1) <= min(k, P)).all()
+    if not ties:  # without ties each row's own k best are unique
+        assert torch.equal(got_s, want_s)
+    else:  # the same number kept, the same multiset of kept scores, ties to the lowest ids
+        assert torch.equal(kept.sum(-1), (want_s > float("-inf")).sum(-1))
+        assert torch.equal(got_s.sort(-1).values, want_s.sort(-1).values)
+    # Every chosen id of a group is kept by at least one of its rows.
+    rows = kept.view(B, R // group, group, P).any(2)
+    ids = got.long().clamp(min=0)
+    assert rows.gather(-1, ids)[got >= 0].all()
+
+
 @pytest.mark.parametrize("P", [1, 37, 300, 2053])
 def test_top_p_mask_matches_reference(P):
     # The adaptive budget's page filter (qcode_topp): same kept pages as the sorted-cumsum reference; at

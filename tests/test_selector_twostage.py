@@ -7,15 +7,13 @@ from quest_hf import QuestCache, QuestConfig, patch_model
 from quest_hf.eval.accounting import step_bytes
 from quest_hf.patch import cache_arg_name
 from quest_hf.selectors import SELECTORS
-from quest_hf.selectors_qcode import TwoStageCodeSelector, candidate_code_scores
+from quest_hf.selectors_qcode import TwoStageCodeSelector
 
 from .conftest import left_padded_batch, tiny_model
 
 
-@pytest.mark.parametrize("bits", [1, 2])
-def test_candidate_scores_equal_full_code_scores_at_the_candidates(bits):
-    g = torch.Generator().manual_seed(bits)
-    B, H, G, D, S, L, ws = 2, 2, 3, 64, 16, 333, 50
+def _filled(bits, B=2, H=2, G=3, D=64, S=16, L=333, seed=0):
+    g = torch.Generator().manual_seed(seed + bits)
     C = -(-L // S) * S + S
     kc, vc = torch.randn(B, H, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
     kmin = torch.full((B, H, C // S, D), float("inf"))
@@ -26,16 +24,77 @@ def test_candidate_scores_equal_full_code_scores_at_the_candidates(bits):
     codes = torch.zeros(B, H, C, D * bits // 8, dtype=torch.uint8)
     tk.encode_codes_ref(kc, kmin, kmax, codes, 0, L // S, bits)
     q = torch.randn(B, H * G, D, generator=g)
-    full = tk.code_scores_ref(q, kc, kmin, kmax, codes, valid, L, S, ws, bits, "max")
-    P = full.shape[-1]
-    cand = torch.stack([torch.randperm(P - 1, generator=g)[:7] for _ in range(B * H * G)]).reshape(B, H * G, 7)
-    cand = cand.int()
-    cand[0, 0, 3] = -1
-    got = candidate_code_scores(q, kc, kmin, kmax, codes, valid, cand, L, S, ws, bits)
-    want = torch.where(cand >= 0, full.gather(-1, cand.clamp(min=0).long()), float("-inf"))
+    return q, kc, kmin, kmax, codes, valid, L, S, g
+
+
+def _lists(B, Hq, P, N, g):
+    """Distinct page ids per query head (as Top-K gives), with -1 padding and the current page listed once."""
+    pages = torch.stack([torch.randperm(P, generator=g)[:N] for _ in range(B * Hq)]).reshape(B, Hq, N).int()
+    pages[0, 0, 3] = -1
+    pages[1, 2, :] = -1  # a head with no candidate: only its current page remains
+    return pages
+
+
+@pytest.mark.parametrize("mode", ["max", "lse"])
+@pytest.mark.parametrize("bits", [1, 2])
+def test_listed_scores_equal_full_code_scores_at_the_listed_pages(bits, mode):
+    q, kc, kmin, kmax, codes, valid, L, S, g = _filled(bits)
+    ws = 50
+    args = (q, kc, kmin, kmax, codes, valid, L, S, ws, bits, mode, 0.125)
+    full = tk.code_scores_ref(*args)
+    B, Hq, P = full.shape
+    pages = _lists(B, Hq, P, 7, g)
+    got = tk.code_scores_ref(*args, pages)
+    listed = torch.zeros(B, Hq, P + 1, dtype=torch.bool).scatter_(-1, torch.where(pages >= 0, pages, P).long(), True)
+    listed = listed[..., :P]
+    listed[..., P - 1] = True  # the current page is always scored
+    want = full.masked_fill(~listed, float("-inf"))
     fin = want.isfinite()
-    assert (~fin).any() and torch.equal(fin, got.isfinite())  # window/padding pages are -inf in both
+    assert (~fin & listed).any() and fin.any()  # window/padding pages among the listed: -inf in both
+    assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin])
     torch.testing.assert_close(got[fin], want[fin], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["words", "bytes"])
+@pytest.mark.parametrize("mode", ["max", "lse"])
+@pytest.mark.parametrize("bits", [1, 2])
+def test_listed_scores_kernel_matches_reference(bits, mode, variant):
+    q, kc, kmin, kmax, codes, valid, L, S, g = _filled(bits, seed=7)
+    args = (q.half(), kc.half(), kmin.half(), kmax.half(), codes, valid, L, S, 20, bits, mode, 0.125)
+    P = -(-L // S)
+    pages = _lists(2, 6, P, 9, g)  # 9 ids: a partial last block; the current page is among some lists
+    ref = tk.code_scores_ref(*args, pages)
+    mine = tk.code_scores(*args, pages, _block_p=4, _variant=variant)
+    fin = ref.isfinite()
+    assert torch.equal(fin, mine.isfinite()) and torch.equal(ref[~fin], mine[~fin])
+    torch.testing.assert_close(mine[fin], ref[fin], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", ["code_scores_ref", "code_scores"])
+def test_listed_scores_write_into_out_only_at_listed_and_current_pages(fn):
+    q, kc, kmin, kmax, codes, valid, L, S, g = _filled(2, seed=3)
+    args = (q, kc, kmin, kmax, codes, valid, L, S, 0, 2, "max", 1.0)
+    P = -(-L // S)
+    pages = _lists(2, 6, P, 5, g)
+    fresh = getattr(tk, fn)(*args, pages)
+    out = torch.full_like(fresh, 7.0)
+    assert getattr(tk, fn)(*args, pages, out) is out
+    listed = torch.zeros_like(out, dtype=torch.bool).scatter_(-1, pages.clamp(min=0).long(), pages >= 0)
+    listed[..., P - 1] = True
+    assert torch.equal(out[listed], fresh[listed]) and (out[~listed] == 7.0).all()
+    with pytest.raises(ValueError, match="out must be fp32"):
+        getattr(tk, fn)(*args, pages, out[..., :-1])
+    with pytest.raises(ValueError, match="only for scores of listed pages"):
+        getattr(tk, fn)(*args, None, out)
+
+
+def test_page_list_must_be_int32_per_query_head():
+    q, kc, kmin, kmax, codes, valid, L, S, _ = _filled(2)
+    with pytest.raises(ValueError, match="pages must be int32"):
+        tk.code_scores_ref(q, kc, kmin, kmax, codes, valid, L, S, 0, 2, "max", 1.0, torch.zeros(2, 6, 3))
+    with pytest.raises(ValueError, match="pages must be int32"):
+        tk.code_scores_ref(q, kc, kmin, kmax, codes, valid, L, S, 0, 2, "max", 1.0,
+                           torch.zeros(2, 2, 3, dtype=torch.int32))
 
 
 def test_registered_and_validated():
@@ -79,10 +138,19 @@ def test_budget_covering_the_context_is_dense(single_thread):
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kw), ref)
 
 
-def test_triton_backend_says_the_candidate_scoring_is_pytorch(single_thread, caplog):
+def test_triton_backend_runs_the_listed_kernel_and_equals_torch(single_thread, monkeypatch):
     model = tiny_model("llama", heads=8, kv_heads=2)
     ids, mask = left_padded_batch(lengths=(60, 41))
-    patch_model(model, config=QuestConfig(budget=32, backend="triton", policy="qcode2s", cuda_graph=False))
-    with caplog.at_level("WARNING"):
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert "score their candidate pages with PyTorch ops" in caplog.text
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    calls = []
+    kernel = tk.code_scores
+    monkeypatch.setattr(tk, "code_scores", lambda *a, **k: calls.append(a[-1] is not None) or kernel(*a, **k))
+    out = {}
+    for backend in ("torch", "triton"):
+        patch_model(model, config=QuestConfig(budget=32, backend=backend, policy="qcode2s", cuda_graph=False))
+        out[backend] = model.generate(input_ids=ids, attention_mask=mask, output_scores=True,
+                                      return_dict_in_generate=True, **kw)
+    assert calls and all(calls)  # the triton backend scored its candidates with the kernel, page lists given
+    assert torch.equal(out["torch"].sequences, out["triton"].sequences)
+    for a, b in zip(out["torch"].scores, out["triton"].scores):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)

@@ -140,7 +140,7 @@ def _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, windo
 
 
 def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: int, window_start: int = 0,
-                    bits: int = 2, mode: str = "max", scale: float = 1.0):
+                    bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None):
     """Page scores `[B, H_q, P]` fp32 (`P = ceil(seq_len / S)`) of one decode query from the key codes.
 
     q `[B, H_q, D]`; k_cache `[B, H_kv, C, D]`; kmin/kmax `[B, H_kv, C // S, D]`; codes from `encode_codes`
@@ -148,8 +148,20 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
     `P - 1` uses its exact keys); tokens that are padding, `>= seq_len` or `< window_start` are left out.
     `mode="max"`: a page's best estimated q.k, the current page `+inf`. `mode="lse"`: the page's log
     attention mass `log sum exp(scale * q.k)` (current page included, exact). Pages with no token: `-inf`.
+
+    `pages` (optional) int32 `[B, H_q, N]`: score only these pages of each query head (ids outside
+    `[0, P - 1)`, e.g. -1 padding, are skipped); every other page is `-inf` but the current one, as above.
+    Only the listed pages' codes and min/max are read (the second stage of a two-stage selector). `out`
+    (optional, with `pages`): fp32 `[B, H_q, P]` written in place and returned instead of a fresh `-inf`
+    tensor: only the listed pages' entries and the current page's are written, the rest is left as it is
+    (e.g. `-inf` from `topk_pages(..., mask_rest=True)`).
     """
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
+    if pages is not None:
+        return _listed_code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits,
+                                       mode, scale, _check_pages(pages, B, G * H), _check_out(out, B, G * H, P), P)
+    if out is not None:
+        raise ValueError("out= is only for scores of listed pages (pages=...)")
     S, N = page_size, P * page_size
     per, levels = 8 // bits, (1 << bits) - 1
     raw = codes[:, :, :N].long()
@@ -176,6 +188,60 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
     return out.reshape(B, H * G, P)
 
 
+def _check_pages(pages, B, Hq):
+    if pages.dtype != torch.int32 or pages.dim() != 3 or pages.shape[:2] != (B, Hq):
+        raise ValueError(f"pages must be int32 [B={B}, H_q={Hq}, N], got {pages.dtype} {tuple(pages.shape)}")
+    return pages
+
+
+def _check_out(out, B, Hq, P):
+    if out is not None and (out.dtype != torch.float32 or out.shape != (B, Hq, P)):
+        raise ValueError(f"out must be fp32 [B={B}, H_q={Hq}, P={P}], got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _listed_code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode,
+                            scale, pages, out, P):
+    """`code_scores_ref(pages=...)`: gathers the listed pages' codes and min/max only."""
+    B, H, C, D = k_cache.shape
+    Hq, N, S = q.shape[1], pages.shape[-1], page_size
+    G = Hq // H
+    per, levels = 8 // bits, (1 << bits) - 1
+    listed = (pages >= 0) & (pages < P - 1)
+    p = torch.where(listed, pages, 0).long()                               # [B, Hq, N]
+    b = torch.arange(B, device=q.device)[:, None, None]
+    h = (torch.arange(Hq, device=q.device) // G)[None, :, None]
+    raw = codes.view(B, H, C // S, S, codes.shape[-1])[b, h, p].long()     # [B, Hq, N, S, bytes]
+    shifts = torch.arange(per, device=q.device) * bits
+    c = ((raw[..., None] >> shifts) & levels).reshape(B, Hq, N, S, D).float()
+    lo, hi = kmin[b, h, p].float(), kmax[b, h, p].float()                  # [B, Hq, N, D]
+    grid = hi >= lo
+    step = torch.where(grid, (hi - lo) / levels, 0.0)
+    lo = torch.where(grid, lo, 0.0)
+    if bits == 1:  # the centres of the page's lower and upper half, as code_scores_ref
+        lo, step = lo + 0.25 * step, 0.5 * step
+    qf = q.float()[:, :, None]
+    s = (lo * qf).sum(-1)[..., None] + (c * (step * qf)[..., None, :]).sum(-1)  # [B, Hq, N, S]
+    slot = p[..., None] * S + torch.arange(S, device=q.device)
+    ok = valid.gather(1, slot.reshape(B, -1)).reshape(slot.shape) & (slot >= window_start) & listed[..., None]
+    s = s.masked_fill(~ok, float("-inf"))
+    est = s.amax(-1) if mode == "max" else torch.logsumexp(s * scale, -1)
+    if out is None:
+        out = q.new_full((B, Hq, P), float("-inf"), dtype=torch.float32)
+    # Unlisted entries land on the current page, written last.
+    out.scatter_(-1, torch.where(listed, p, P - 1), torch.where(listed, est, 0.0))
+    if mode == "max":
+        out[..., P - 1] = float("inf")
+    else:  # the current page's exact log mass, as without a list
+        cur = slice((P - 1) * S, P * S)
+        k = k_cache[:, :, cur].float().repeat_interleave(G, 1)                # [B, Hq, S, D]
+        slot = torch.arange((P - 1) * S, P * S, device=q.device)
+        ok = valid[:, cur][:, None] & (slot < seq_len) & (slot >= window_start)
+        sc = torch.einsum("bqd,bqsd->bqs", q.float(), k).masked_fill(~ok, float("-inf"))
+        out[..., P - 1] = torch.logsumexp(sc * scale, -1)
+    return out
+
+
 @triton.jit
 def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN, WINDOW_START, scale,
                   D: tl.constexpr, PAGE: tl.constexpr, USE_LSE: tl.constexpr):
@@ -200,16 +266,17 @@ def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, strid
 
 @triton.jit
 def _code_scores_kernel(
-    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr,
+    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_lb, stride_lh, stride_lp, stride_ld,
     stride_cb, stride_ch, stride_cc,
     stride_vab, stride_vac,
     stride_ob, stride_oh, stride_op,
-    H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, ONE, scale,
+    stride_nb, stride_nh, stride_nn,
+    H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, N_PAGES, ONE, scale,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr,
-    USE_LSE: tl.constexpr,
+    USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr,
 ):
     # One query head per program: the G heads of a KV group are neighbouring programs, so the codes they share
     # come from L2 after the first. (Looping over the heads in one program would hold G heads' accumulators, or
@@ -233,7 +300,13 @@ def _code_scores_kernel(
         NB: tl.constexpr = D // PER
         LEVELS: tl.constexpr = (1 << BITS) - 1
         o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        m_p = o_p < P - 1
+        if HAS_PAGES:  # the block's pages are read from the list (-1: none); their scores scatter to out
+            o_p = tl.load(pages_ptr + i_b * stride_nb + i_q * stride_nh + o_p * stride_nn, mask=o_p < N_PAGES,
+                          other=-1)
+            m_p = (o_p >= 0) & (o_p < P - 1)
+            o_p = tl.where(m_p, o_p, 0)
+        else:
+            m_p = o_p < P - 1
         o_j = tl.arange(0, NB)
         o_slot = o_p[None, :] * PAGE + tl.arange(0, PAGE)[:, None]  # [PAGE, BLOCK_P]
         b_val = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_p[None, :], other=0)
@@ -295,16 +368,17 @@ def _fma_codes(acc, x, a, I0: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr,
 
 @triton.jit
 def _code_scores_words_kernel(
-    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr,
+    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_lb, stride_lh, stride_lp, stride_ld,
     stride_cb, stride_ch, stride_cc,
     stride_vab, stride_vac,
     stride_ob, stride_oh, stride_op,
-    H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, ONE, scale,
+    stride_nb, stride_nh, stride_nn,
+    H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, N_PAGES, ONE, scale,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr,
-    SEG: tl.constexpr, USE_LSE: tl.constexpr,
+    SEG: tl.constexpr, USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr,
 ):
     # One query head x BLOCK_P complete pages a program (the G heads of a KV group are neighbouring programs:
     # their codes come from L2 after the first). Codes are read as int64, two 32-bit words (2 x 32 / BITS
@@ -333,7 +407,13 @@ def _code_scores_words_kernel(
         SC: tl.constexpr = 0.5 if BITS == 1 else 1.0 / LEVELS
         UNIT: tl.constexpr = 2.0 ** -64
         o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        m_p = o_p < P - 1
+        if HAS_PAGES:  # the block's pages are read from the list (-1: none); their scores scatter to out
+            o_p = tl.load(pages_ptr + i_b * stride_nb + i_q * stride_nh + o_p * stride_nn, mask=o_p < N_PAGES,
+                          other=-1)
+            m_p = (o_p >= 0) & (o_p < P - 1)
+            o_p = tl.where(m_p, o_p, 0)
+        else:
+            m_p = o_p < P - 1
         o_m = tl.arange(0, NW2)
         o_i = tl.arange(0, SEG)
         o_slot = o_p[:, None] * PAGE + tl.arange(0, PAGE)[None, :]  # [BLOCK_P, PAGE]
@@ -420,11 +500,12 @@ def _words_ok(codes, D, bits):
 
 
 def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: int, window_start: int = 0,
-                bits: int = 2, mode: str = "max", scale: float = 1.0, *, _block_p=None, _num_warps=None,
-                _variant=None):
+                bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None, *, _block_p=None,
+                _num_warps=None, _variant=None):
     """Triton twin of `code_scores_ref` (kmin and kmax must share strides).
 
-    Programs per (batch x query head): one per BLOCK_P complete pages, plus one for the current page.
+    Programs per (batch x query head): one per BLOCK_P complete pages (listed pages with `pages`), plus one
+    for the current page.
     Benchmark knobs: `_variant` ("words", the default where the codes allow it: D * bits a multiple of 64 and
     8-byte aligned rows; else "bytes", round 1's kernel), `_block_p` (power of two), `_num_warps`.
     """
@@ -439,28 +520,37 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
         raise ValueError(f"_variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "words" and not _words_ok(codes, D, bits):
         variant = "bytes"
-    out = torch.empty(B, H * G, P, dtype=torch.float32, device=q.device)
-    common = (q, k_cache, kmin, kmax, codes, valid, out,
+    if pages is None:
+        if out is not None:
+            raise ValueError("out= is only for scores of listed pages (pages=...)")
+        out = torch.empty(B, H * G, P, dtype=torch.float32, device=q.device)
+        n_pages, pages_args = P - 1, (out, 0, 0, 0)  # (unused pointer and strides)
+    else:
+        if _check_out(out, B, H * G, P) is None:
+            out = torch.full((B, H * G, P), float("-inf"), dtype=torch.float32, device=q.device)
+        pages = _check_pages(pages, B, H * G)
+        n_pages, pages_args = pages.shape[-1], (pages, *pages.stride())
+    common = (q, k_cache, kmin, kmax, codes, valid, out, pages_args[0],
               *q.stride(), *k_cache.stride(), *kmin.stride(), codes.stride(0), codes.stride(1), codes.stride(2),
-              *valid.stride(), *out.stride())
+              *valid.stride(), *out.stride(), *pages_args[1:])
     if variant == "words":
         # One page a thread: a warp's lanes are NW2 word pairs x 32 / NW2 pages. No wider than the complete pages.
         num_warps = _num_warps or WORDS_NUM_WARPS
         block_p = _block_p or max(1, num_warps * 32 // (D * bits // 64))
-        block_p = min(block_p, next_pow2(max(1, P - 1)))
-        n_blocks = triton.cdiv(P - 1, block_p)
+        block_p = min(block_p, next_pow2(max(1, n_pages)))
+        n_blocks = triton.cdiv(n_pages, block_p)
         _code_scores_words_kernel[(B * H * G, n_blocks + 1)](
-            *common, H * G, P, seq_len, window_start, n_blocks, 0x3F800000, scale,
+            *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
             G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, SEG=min(16 // bits, 8),
-            USE_LSE=mode == "lse", num_warps=num_warps,
+            USE_LSE=mode == "lse", HAS_PAGES=pages is not None, num_warps=num_warps,
         )
         return out
     block_p = _block_p or max(1, BLOCK_P * 16 // page_size)
-    block_p = min(block_p, next_pow2(max(1, P - 1)))
-    n_blocks = triton.cdiv(P - 1, block_p)
+    block_p = min(block_p, next_pow2(max(1, n_pages)))
+    n_blocks = triton.cdiv(n_pages, block_p)
     _code_scores_kernel[(B * H * G, n_blocks + 1)](
-        *common, H * G, P, seq_len, window_start, n_blocks, 0x3F800000, scale,
-        G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, USE_LSE=mode == "lse",
+        *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
+        G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, USE_LSE=mode == "lse", HAS_PAGES=pages is not None,
         num_warps=_num_warps or NUM_WARPS,
     )
     return out

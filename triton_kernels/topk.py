@@ -17,16 +17,20 @@ def _check(scores, k, group):
     return B, R, P, min(group * k, P)
 
 
-def topk_pages_ref(scores, k: int, group: int = 1):
+def topk_pages_ref(scores, k: int, group: int = 1, mask_rest: bool = False):
     """Choose the `k` best pages of each row of `scores [B, R, P]`, then unite each `group` consecutive rows.
 
     Pages scoring `-inf` are never chosen. Returns int32 `[B, R // group, min(group * k, P)]`: the chosen ids
     of each group in ascending order, then `-1`. Ties at the k-th score are broken arbitrarily.
+    `mask_rest=True` also sets, in place, every score that its own row did not choose to `-inf` (a two-stage
+    selector then rewrites only its candidates' entries; no second buffer to fill).
     """
     B, R, P, K_out = _check(scores, k, group)
     top = scores.topk(min(k, P), dim=-1)
     chosen = torch.zeros(B, R, P, dtype=torch.bool, device=scores.device)
     chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+    if mask_rest:
+        scores.masked_fill_(~chosen, float("-inf"))
     chosen = chosen.reshape(B, R // group, group, P).any(2)
     ids = torch.arange(P, device=scores.device).expand_as(chosen)
     # Unchosen pages sort after every chosen one, keeping the chosen ones ascending.
@@ -82,6 +86,7 @@ def _topk_pages_kernel(
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    MASK_REST: tl.constexpr,
 ):
     i_bg = tl.program_id(0).to(tl.int64)
     i_b = i_bg // R_OUT
@@ -172,6 +177,10 @@ def _topk_pages_kernel(
         b_rank = tl.cumsum(b_eq, axis=1) - 1 + b_seen[:, None]
         m_pick = (b_key > i_lo[:, None]) | ((b_eq != 0) & (b_rank < i_need[:, None]))
         m_pick = m_pick & (b_key > NEG_INF_KEY)
+        if MASK_REST:  # this tile's keys are read for the last time: overwrite the unchosen ones with -inf
+            m_in = (o_r[:, None] < GROUP) & (o_p[None, :] < P)
+            tl.store(p_rows + o_r[:, None] * stride_sr + o_p[None, :] * stride_sp,
+                     tl.full([GROUP_PAD, BLOCK_P], float("-inf"), tl.float32), mask=m_in & ~m_pick)
         b_union = tl.max(m_pick.to(tl.int32), axis=0)
         b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
         tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
@@ -194,7 +203,8 @@ def launch_config(P: int, group: int):
     return block_p, warps, single
 
 
-def topk_pages(scores, k: int, group: int = 1, *, _num_warps: int | None = None, _block_p: int | None = None):
+def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, _num_warps: int | None = None,
+               _block_p: int | None = None):
     """Triton twin of `topk_pages_ref`.
 
     scores fp32 `[B, R, P]` (any strides; NaN-free). Returns a fresh int32 `[B, R // group, min(group * k, P)]`.
@@ -214,7 +224,7 @@ def topk_pages(scores, k: int, group: int = 1, *, _num_warps: int | None = None,
         scores.stride(0), scores.stride(1), scores.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
-        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single,
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
         num_warps=_num_warps or warps,
     )
     return out
