@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--policies", nargs="+", default=["quest", "qcode", "qcode1", "qcode_topp"],
                    help="POLICY or POLICY/PAGE_SIZE (a page size other than --page-size for that row)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each policy's GPU kernels (torch.profiler, self CUDA time per eager step)")
     p.add_argument("--check", action="store_true",
                    help="also select with the PyTorch reference ops on the same layer and report the share of "
                         "(KV head) page sets that equal the kernels' (ties may order differently)")
@@ -116,6 +118,21 @@ def time_cuda(fn, warmup, iters, graph):
     return statistics.median(times)
 
 
+def kernel_table(fn, steps=20):
+    """Self CUDA time per step of each kernel `fn` launches (eager), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / steps, e.count // steps) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def time_cpu(fn, warmup, iters):
     for _ in range(warmup):
         fn()
@@ -180,6 +197,10 @@ def main(argv=None):
                 t_sel = time_cuda(sel_only, args.warmup, args.iters, not args.no_graph)
             else:
                 t, t_sel = time_cpu(full, args.warmup, args.iters), time_cpu(sel_only, args.warmup, args.iters)
+            if cuda and args.profile:
+                print(f"\n{shape} {name}: kernels of one step (self CUDA us, launches)")
+                for key, us, n in kernel_table(full):
+                    print(f"  {us:8.2f}  x{n}  {key[:90]}")
             pages = int((ids >= 0).sum())
             nbytes = step_bytes(policy, L, H, D, elt, S, pages, args.budget, Hq // H)
             rows.append(dict(shape=shape, policy=name, page_size=S, us=t, select_us=t_sel, bytes=nbytes,

@@ -116,9 +116,11 @@ def test_code_scores_match_reference(B, Hq, Hkv, D, S, lengths, extra, ws, bits,
     ("words", 4, 32, 32, 2, 0),  # one block wider than the pages; 2 segments of 4 codes a word
     ("words", 1, 32, 4, 4, 0),  # half a word pair a token: falls back to "bytes"
 ])
-def test_code_scores_blocks(variant, bits, D, block_p, num_warps, ws, mode):
-    """Many pages per program, a partial last block, G = 3, left padding (whole padding pages), a window."""
-    S, B, Hq, Hkv = 8, 2, 6, 2
+@pytest.mark.parametrize("S", [8, 32], ids=["page8", "page32-units"])
+def test_code_scores_blocks(variant, bits, D, block_p, num_warps, ws, mode, S):
+    """Many pages per program, a partial last block, G = 3, left padding (whole padding pages), a window; pages
+    of 32 are scored in units of 16 tokens by the "words" kernel."""
+    B, Hq, Hkv = 2, 6, 2
     _, layer = filled_layer(B, Hkv, D, S, (150, 61), F16, extra=3, seed=bits)
     L = layer.seq_len  # 153: 19 complete pages + the current one
     codes = torch.zeros(B, Hkv, layer.capacity, D * bits // 8, dtype=torch.uint8)

@@ -55,11 +55,12 @@ def test_listed_scores_equal_full_code_scores_at_the_listed_pages(bits, mode):
     torch.testing.assert_close(got[fin], want[fin], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("S", [16, 32])
 @pytest.mark.parametrize("variant", ["words", "bytes"])
 @pytest.mark.parametrize("mode", ["max", "lse"])
 @pytest.mark.parametrize("bits", [1, 2])
-def test_listed_scores_kernel_matches_reference(bits, mode, variant):
-    q, kc, kmin, kmax, codes, valid, L, S, g = _filled(bits, seed=7)
+def test_listed_scores_kernel_matches_reference(bits, mode, variant, S):
+    q, kc, kmin, kmax, codes, valid, L, S, g = _filled(bits, seed=7, S=S)
     args = (q.half(), kc.half(), kmin.half(), kmax.half(), codes, valid, L, S, 20, bits, mode, 0.125)
     P = -(-L // S)
     pages = _lists(2, 6, P, 9, g)  # 9 ids: a partial last block; the current page is among some lists

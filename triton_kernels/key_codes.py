@@ -377,13 +377,13 @@ def _code_scores_words_kernel(
     stride_ob, stride_oh, stride_op,
     stride_nb, stride_nh, stride_nn,
     H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, N_PAGES, ONE, scale,
-    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr,
-    SEG: tl.constexpr, USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_U: tl.constexpr, BITS: tl.constexpr,
+    SEG: tl.constexpr, USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr, TOK: tl.constexpr,
 ):
-    # One query head x BLOCK_P complete pages a program (the G heads of a KV group are neighbouring programs:
-    # their codes come from L2 after the first). Codes are read as int64, two 32-bit words (2 x 32 / BITS
-    # channels) of a token. Tiles are [NW2, BLOCK_P, PAGE]: a thread holds one (word pair, page) for all PAGE
-    # tokens, so a page's grid value q.step of a channel is computed once for PAGE tokens, a token's sum is
+    # One query head x BLOCK_U units (TOK tokens of a complete page) a program (the G heads of a KV group are
+    # neighbouring programs: their codes come from L2 after the first). Codes are read as int64, two 32-bit words
+    # (2 x 32 / BITS channels) of a token. Tiles are [NW2, BLOCK_U, TOK]: a thread holds one (word pair, unit) for
+    # all TOK tokens, so a page's grid value q.step of a channel is computed once for TOK tokens, a token's sum is
     # split over NW2 lanes only, and a code costs a LOP3 and an FFMA (see _fma_codes).
     # (ONE is unused here: the launch arguments are the "bytes" kernel's.)
     i_bq = tl.program_id(0).to(tl.int64)
@@ -406,7 +406,12 @@ def _code_scores_words_kernel(
         OFF: tl.constexpr = 0.25 if BITS == 1 else 0.0
         SC: tl.constexpr = 0.5 if BITS == 1 else 1.0 / LEVELS
         UNIT: tl.constexpr = 2.0 ** -64
-        o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        # Units of TOK tokens: a page is CH = PAGE / TOK units (pages over 16 tokens are split so that more
+        # threads share the work); a block is BLOCK_U units = BLOCK_P pages.
+        CH: tl.constexpr = PAGE // TOK
+        BLOCK_P: tl.constexpr = BLOCK_U // CH
+        o_u = tl.arange(0, BLOCK_U)
+        o_p = i_pb * BLOCK_P + o_u // CH
         if HAS_PAGES:  # the block's pages are read from the list (-1: none); their scores scatter to out
             o_p = tl.load(pages_ptr + i_b * stride_nb + i_q * stride_nh + o_p * stride_nn, mask=o_p < N_PAGES,
                           other=-1)
@@ -416,15 +421,15 @@ def _code_scores_words_kernel(
             m_p = o_p < P - 1
         o_m = tl.arange(0, NW2)
         o_i = tl.arange(0, SEG)
-        o_slot = o_p[:, None] * PAGE + tl.arange(0, PAGE)[None, :]  # [BLOCK_P, PAGE]
-        # Tiles are [NW2, BLOCK_P, PAGE or SEG]: where the loads' contiguity ties, the compiler gives the lanes
-        # to the leading dimensions, so NW2 x BLOCK_P take the lanes and PAGE (SEG) stays in a thread. Every tile
+        o_slot = (o_p * PAGE + (o_u % CH) * TOK)[:, None] + tl.arange(0, TOK)[None, :]  # [BLOCK_U, TOK]
+        # Tiles are [NW2, BLOCK_U, TOK or SEG]: where the loads' contiguity ties, the compiler gives the lanes
+        # to the leading dimensions, so NW2 x BLOCK_U take the lanes and TOK (SEG) stays in a thread. Every tile
         # derives its layout from these loads (q is read in the min/max tile's shape; no zeros-initialised
         # accumulators), so no layout conversions. Codes: byte offsets, the pointer cast after, so that a
         # thread's word pair stays one 8-byte load.
         p_w = (c_ptr + i_b * stride_cb + i_h * stride_ch + o_slot[None, :, :] * stride_cc
                + 8 * o_m[:, None, None]).to(tl.pointer_type(tl.int64))
-        b_x = tl.load(p_w, mask=m_p[None, :, None], other=0)  # [NW2, BLOCK_P, PAGE]
+        b_x = tl.load(p_w, mask=m_p[None, :, None], other=0)  # [NW2, BLOCK_U, TOK]
         p_lo = lo_ptr + i_b * stride_lb + i_h * stride_lh + o_p[None, :, None] * stride_lp
         p_hi = hi_ptr + i_b * stride_lb + i_h * stride_lh + o_p[None, :, None] * stride_lp
         # The sums run in units of 2^-64 (UNIT): code i of a segment, at bit BITS * i of the (shifted) word, is read
@@ -441,11 +446,11 @@ def _code_scores_words_kernel(
                 o_c = (CPW * (2 * o_m + s) + SEG * j)[:, None, None] + o_i[None, None, :]  # [NW2, 1, SEG] channels
                 b_lo = tl.load(p_lo + o_c * stride_ld, mask=m_p[None, :, None], other=0.0).to(tl.float32)
                 b_hi = tl.load(p_hi + o_c * stride_ld, mask=m_p[None, :, None], other=0.0).to(tl.float32)
-                # q in the min/max tile's shape (the same address over BLOCK_P): the same layout, from L1
-                b_q = tl.load(p_q + o_c * stride_qd + 0 * o_p[None, :, None]).to(tl.float32)  # [NW2, BLOCK_P, SEG]
+                # q in the min/max tile's shape (the same address over BLOCK_U): the same layout, from L1
+                b_q = tl.load(p_q + o_c * stride_qd + 0 * o_p[None, :, None]).to(tl.float32)  # [NW2, BLOCK_U, SEG]
                 b_span = b_hi - b_lo
                 if OFF != 0.0:
-                    b_t = tl.sum((b_lo + OFF * b_span) * b_q, axis=2)  # [NW2, BLOCK_P]
+                    b_t = tl.sum((b_lo + OFF * b_span) * b_q, axis=2)  # [NW2, BLOCK_U]
                 else:
                     b_t = tl.sum(b_lo * b_q, axis=2)
                 if s * NSEG + j == 1:
@@ -454,11 +459,11 @@ def _code_scores_words_kernel(
                     b_c0 += b_t
                 b_a = b_span * (b_q * b_pow)
                 if SEG == 8:
-                    b_a = tl.reshape(b_a, [NW2, BLOCK_P, 2, 2, 2])
+                    b_a = tl.reshape(b_a, [NW2, BLOCK_U, 2, 2, 2])
                 elif SEG == 4:
-                    b_a = tl.reshape(b_a, [NW2, BLOCK_P, 2, 2])
+                    b_a = tl.reshape(b_a, [NW2, BLOCK_U, 2, 2])
                 else:
-                    b_a = tl.reshape(b_a, [NW2, BLOCK_P, 2])
+                    b_a = tl.reshape(b_a, [NW2, BLOCK_U, 2])
                 if j == 0:
                     b_xs = b_w
                 else:
@@ -467,17 +472,29 @@ def _code_scores_words_kernel(
                     b_acc = _fma_codes((b_t * UNIT)[:, :, None], b_xs, b_a, 0, 1, SEG, BITS)
                 else:
                     b_acc = _fma_codes(b_acc, b_xs, b_a, 0, 1, SEG, BITS)
-        b_s = tl.sum(b_acc, axis=0) * (1.0 / UNIT) + tl.sum(b_c0, axis=0)[:, None]  # [BLOCK_P, PAGE]
+        b_s = tl.sum(b_acc, axis=0) * (1.0 / UNIT) + tl.sum(b_c0, axis=0)[:, None]  # [BLOCK_U, TOK]
         b_val = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_p[:, None], other=0)
         m_tok = (b_val != 0) & m_p[:, None] & (o_slot >= WINDOW_START)  # complete pages: all below SEQ_LEN
         if USE_LSE:
             b_s = tl.where(m_tok, b_s * scale, float("-inf"))
             b_m = tl.max(b_s, axis=1)
             b_safe = tl.where(b_m > float("-inf"), b_m, 0.0)
-            b_l = tl.sum(tl.exp(b_s - b_safe[:, None]), axis=1)
+            b_l = tl.sum(tl.exp(b_s - b_safe[:, None]), axis=1)  # [BLOCK_U]
+            if CH > 1:  # a page's units: (m, l) pairs merged
+                b_m = tl.reshape(b_m, [BLOCK_P, CH])
+                b_l = tl.reshape(b_l, [BLOCK_P, CH])
+                b_mp = tl.max(b_m, axis=1)
+                b_safe = tl.where(b_mp > float("-inf"), b_mp, 0.0)
+                b_l = tl.sum(b_l * tl.exp(b_m - b_safe[:, None]), axis=1)
+                b_m = b_mp
             b_out = tl.where(b_m > float("-inf"), b_safe + tl.log(tl.maximum(b_l, 1.0)), float("-inf"))
         else:
-            b_out = tl.max(tl.where(m_tok, b_s, float("-inf")), axis=1)  # [BLOCK_P]
+            b_out = tl.max(tl.where(m_tok, b_s, float("-inf")), axis=1)  # [BLOCK_U]
+            if CH > 1:
+                b_out = tl.max(tl.reshape(b_out, [BLOCK_P, CH]), axis=1)
+        if CH > 1:  # every unit of a page holds its id and mask: keep one a page
+            o_p = tl.max(tl.reshape(o_p, [BLOCK_P, CH]), axis=1)
+            m_p = tl.max(tl.reshape(m_p.to(tl.int32), [BLOCK_P, CH]), axis=1) != 0
         tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
 
 
@@ -491,6 +508,7 @@ BLOCK_P = 16
 NUM_WARPS = 4
 VARIANT = "words"
 WORDS_NUM_WARPS = 2
+WORDS_TOK = 16  # tokens a thread scores at most: larger pages are split into units of this many tokens
 VARIANTS = ("words", "bytes")
 
 
@@ -535,14 +553,17 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
               *valid.stride(), *out.stride(), *pages_args[1:])
     if variant == "words":
         # One page a thread: a warp's lanes are NW2 word pairs x 32 / NW2 pages. No wider than the complete pages.
+        # A thread takes WORDS_TOK tokens of a page at most (pages of 32 are split in two).
         num_warps = _num_warps or WORDS_NUM_WARPS
-        block_p = _block_p or max(1, num_warps * 32 // (D * bits // 64))
+        tok = min(page_size, WORDS_TOK)
+        ch = page_size // tok
+        block_p = _block_p or max(1, num_warps * 32 // (D * bits // 64) // ch)
         block_p = min(block_p, next_pow2(max(1, n_pages)))
         n_blocks = triton.cdiv(n_pages, block_p)
         _code_scores_words_kernel[(B * H * G, n_blocks + 1)](
             *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
-            G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, SEG=min(16 // bits, 8),
-            USE_LSE=mode == "lse", HAS_PAGES=pages is not None, num_warps=num_warps,
+            G=G, D=D, PAGE=page_size, BLOCK_U=block_p * ch, BITS=bits, SEG=min(16 // bits, 8),
+            USE_LSE=mode == "lse", HAS_PAGES=pages is not None, TOK=tok, num_warps=num_warps,
         )
         return out
     block_p = _block_p or max(1, BLOCK_P * 16 // page_size)
