@@ -228,7 +228,9 @@ class QuestCache(Cache):
         self.selection_hooks: list = []
         self.graph = None
         if config.cuda_graph == "auto":  # a cache built by hand: static when given a length
-            config = _replace(config, cuda_graph=max_length is not None and config.policy == "quest")
+            from .selectors import captured_policies
+
+            config = _replace(config, cuda_graph=max_length is not None and config.policy in captured_policies())
             self.quest_config = config
         if config.cuda_graph:
             if not isinstance(max_length, int) or max_length < 1:

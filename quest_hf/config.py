@@ -26,16 +26,19 @@ class QuestConfig:
             new tokens and replays each decode step as a captured CUDA graph (removes the per-step launch
             cost of ~150 kernels), except with beam search or sliding-window layers, which keep the
             growing cache. `True`: always (refusing what it cannot do; a CPU model runs the same
-            fixed-shape step uncaptured). `False`: never.
+            fixed-shape step uncaptured). `False`: never. Policies it runs: quest and the fixed-budget code
+            selectors (qcode, qcode1, qcode2s, qcode1_2s); the others keep the growing cache.
         compile_decode: `True` (default): one-token CUDA forwards run the model's norms, MLPs and
             rotary embedding through `torch.compile` (fusing HF's elementwise code, as HF's compiled
             static path does): on an H200, 7B at 32K decodes in 6.5 instead of 8.5 ms a token. The first
             decode step of a new batch size pays the compile (seconds to tens of seconds); a compile
             error is logged and that module runs eagerly (`quest_hf.fuse.FAILED` says what). Prefill,
             CPU and the attention are never compiled. `False`: plain eager modules.
-        policy: `"quest"` (default); `"streaming"` (first page + most recent pages, query-agnostic
-            baseline) and `"oracle"` (top-budget tokens by exact q.k per head; reads every key, for
-            evaluation only) go through the same decode path for comparisons.
+        policy: `"quest"` (default); code selectors beyond the paper (docs/selector.md), e.g.
+            `"qcode1_2s"` with `page_size=32`: Quest's candidates re-ranked by 1-bit key codes;
+            `"streaming"` (first page + most recent pages, query-agnostic baseline) and `"oracle"`
+            (top-budget tokens by exact q.k per head; reads every key, for evaluation only) go through the
+            same decode path for comparisons.
     """
 
     budget: int = 2048
@@ -76,8 +79,11 @@ class QuestConfig:
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
         if not isinstance(self.compile_decode, bool):
             raise TypeError(f"compile_decode must be True or False, got {self.compile_decode!r}")
-        if self.cuda_graph is True and self.policy != "quest":
-            raise ValueError(f"cuda_graph=True runs the quest policy only, got policy={self.policy!r}")
+        from .selectors import captured_policies
+
+        if self.cuda_graph is True and self.policy not in captured_policies():
+            raise ValueError(f"cuda_graph=True runs the policies {', '.join(captured_policies())}, got "
+                             f"policy={self.policy!r}; use cuda_graph=False or 'auto' for it")
 
     @property
     def num_pages(self) -> int:

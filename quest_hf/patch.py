@@ -21,6 +21,7 @@ from .attention import NAME, quest_attention_forward
 from .cache import QuestCache
 from .config import QuestConfig
 from .fuse import compile_decode_modules, enter_forward, exit_forward, restore
+from .selectors import captured_policies
 
 logger = logging.get_logger("quest_hf")
 
@@ -128,7 +129,7 @@ def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
         devices = {p.device for p in model.parameters()}
         # One graph captures one device's stream: a model spread over GPUs keeps the growing cache.
         on_one_gpu = len(devices) == 1 and next(iter(devices)).type == "cuda" and not _distributed()
-        use = on_one_gpu and not beams and not windowed and config.policy == "quest"
+        use = on_one_gpu and not beams and not windowed and config.policy in captured_policies()
         config = dataclasses.replace(config, cuda_graph=use)
     return config
 

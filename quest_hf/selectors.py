@@ -10,7 +10,14 @@ import torch
 
 
 class Selector:
-    """Base: `select` returns int32 page ids `[B, H_kv, K]` (-1 unused, current page included)."""
+    """Base: `select` returns int32 page ids `[B, H_kv, K]` (-1 unused, current page included).
+
+    Selectors with `captured = True` also run in the captured decode step (`QuestConfig(cuda_graph=True)`,
+    quest_hf/static.py): `select_static` over the whole fixed capacity with the position on the device, and
+    `on_append_at` after each one-token append there. No host sync and no host-side lengths in either.
+    """
+
+    captured = False
 
     def on_append(self, layer, key_states: torch.Tensor, start: int, valid_new: torch.Tensor | None) -> None:
         """Called after `key_states [B, H_kv, T, D]` were stored at slots `[start, start + T)`."""
@@ -18,9 +25,43 @@ class Selector:
     def select(self, layer, q: torch.Tensor, window_start: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def on_append_at(self, layer) -> None:
+        """Captured step: called after one token was stored at `layer.pos - 1` (`layer.pos` already advanced)."""
+
+    def select_static(self, layer, q: torch.Tensor) -> torch.Tensor:
+        """Captured step: page ids `[B, H_kv, K + 1]` over the capacity: the current page `(pos - 1) // S` and
+        the spare last page (never written, the kernels' own forced page) always among them."""
+        raise NotImplementedError(f"{type(self).__name__} does not run in the captured decode step")
+
+
+def current_page(layer) -> torch.Tensor:
+    """The page holding the last token, as a 1-element device tensor (captured step)."""
+    return torch.div(layer.pos - 1, layer.page_size, rounding_mode="floor").view(1)
+
+
+def topk_static(layer, scores: torch.Tensor, group: int) -> torch.Tensor:
+    """Top `K + 1` pages a row (the spare page and the current one forced), union or shared as configured."""
+    cfg, ops = layer.config, layer.ops
+    if cfg.gqa_mode == "union" or group == 1:
+        return ops.topk_pages(scores, cfg.num_pages + 1, group)
+    B, Hq, P = scores.shape
+    s = scores.reshape(B, Hq // group, group, P)
+    s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)
+    return ops.topk_pages(s.contiguous(), cfg.num_pages + 1, 1)
+
 
 class QuestSelector(Selector):
     """The paper's rule: page upper bound from key min/max, Top-K per query head (union per group)."""
+
+    captured = True
+
+    def select_static(self, layer, q):
+        cfg, ops = layer.config, layer.ops
+        reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
+        scores = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, cfg.page_size, 0, reduce)
+        scores.index_fill_(-1, current_page(layer), float("inf"))
+        group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
+        return ops.topk_pages(scores, cfg.num_pages + 1, group)
 
     def select(self, layer, q, window_start):
         cfg, ops = layer.config, layer.ops
@@ -59,6 +100,11 @@ def register_selector(name: str, selector: Selector) -> None:
 
 def policy_names() -> tuple[str, ...]:
     return (*SELECTORS, *SPECIAL_POLICIES)
+
+
+def captured_policies() -> tuple[str, ...]:
+    """Policies that run in the captured decode step (`QuestConfig(cuda_graph=True)`)."""
+    return tuple(name for name, sel in SELECTORS.items() if sel.captured)
 
 
 # Selectors beyond the paper (docs/selector.md): per-token key codes on the page's min/max grid.

@@ -25,7 +25,7 @@ import torch
 import triton_kernels as tk
 from triton_kernels.key_codes import code_bytes
 
-from .selectors import Selector
+from .selectors import Selector, current_page, topk_static
 
 class QCodeSelector(Selector):
     """Pages ranked by their best token's q.k estimated from `bits`-bit per-channel codes on the page grid.
@@ -44,6 +44,7 @@ class QCodeSelector(Selector):
             raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         self.bits, self.top_p = bits, top_p
         self.key = f"qcode{bits}"
+        self.captured = top_p is None  # the captured step runs the fixed-budget selectors
 
     def __repr__(self):
         return f"QCodeSelector(bits={self.bits}, top_p={self.top_p})"
@@ -74,7 +75,28 @@ class QCodeSelector(Selector):
         # Called after the append, before seq_len moves: encode the pages this append completed.
         self._sync(layer, start + key_states.shape[2], known_upto=start // layer.page_size)
 
+    def on_append_at(self, layer):
+        # Captured step: the page that the append completed (if any), found on the device.
+        codes = layer.side[self.key]  # built at prefill (on_append)
+        encode = tk.encode_codes_at if layer.ops.name == "triton" else tk.encode_codes_at_ref
+        encode(layer.keys, layer.kmin, layer.kmax, codes, layer.pos, self.bits)
+
+    def _static_codes(self, layer):
+        codes = layer.side.get(self.key)
+        if codes is None:
+            raise RuntimeError(f"policy {layer.config.policy!r}: no key codes in this static cache; its prefill "
+                               "must run under the same policy")
+        return codes
+
     # -------------------------------------------------------------------------------------- select
+    def select_static(self, layer, q):
+        cfg, S = layer.config, layer.page_size
+        score = tk.code_scores if layer.ops.name == "triton" else tk.code_scores_ref
+        s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity,
+                  S, 0, self.bits, "max", q.shape[-1] ** -0.5)
+        s.index_fill_(-1, current_page(layer), float("inf"))  # its codes are not written yet
+        return topk_static(layer, s, q.shape[1] // layer.keys.shape[1])
+
     def select(self, layer, q, window_start):
         cfg, ops = layer.config, layer.ops
         codes = self._sync(layer, layer.seq_len)
@@ -131,3 +153,17 @@ class TwoStageCodeSelector(QCodeSelector):
         s = s.reshape(B, H, G, P)
         s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)
         return ops.topk_pages(s.contiguous(), cfg.num_pages, 1)
+
+    def select_static(self, layer, q):
+        cfg, ops, S = layer.config, layer.ops, layer.page_size
+        cur = current_page(layer)
+        bound = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, S, 0, "none")
+        bound.index_fill_(-1, cur, float("inf"))
+        P = bound.shape[-1]
+        # + 1: the spare page (always +inf) takes a candidate slot
+        cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages + 1), 1, mask_rest=True)
+        score = tk.code_scores if ops.name == "triton" else tk.code_scores_ref
+        s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity, S,
+                  0, self.bits, "max", 1.0, cand, bound)
+        s.index_fill_(-1, cur, float("inf"))
+        return topk_static(layer, s, q.shape[1] // layer.keys.shape[1])

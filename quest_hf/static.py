@@ -7,9 +7,11 @@ shapes and no host state inside the step:
   and its graph is captured again);
 - each layer keeps its write position `pos` as a device tensor; a decode append is one kernel reading it
   (`append_token_at`; index ops on the PyTorch path);
-- selection scores every page of the capacity (unwritten pages are empty: `-inf`), forces the current
-  page `(pos - 1) // S` with a device op, and chooses `K + 1` pages: the kernels' own forced page is the
-  last capacity page, a spare page past `max_length` that is never written, so it costs no token;
+- selection (the policy's `select_static`: quest and the fixed-budget code selectors) scores every page of
+  the capacity (unwritten pages are empty: `-inf`), forces the current page `(pos - 1) // S` with a device
+  op, and chooses `K + 1` pages: the kernels' own forced page is the last capacity page, a spare page past
+  `max_length` that is never written, so it costs no token; code selectors encode a page when an append
+  completes it, the position read on the device (`encode_codes_at`);
 - the first `dense_layers` layers attend over every page through the same kernel (exact dense).
 Prefill runs eagerly through the regular path. On CPU the same static step runs without capture.
 """
@@ -68,6 +70,7 @@ class StaticQuestLayer(QuestLayer):
     def _append_one(self, k, v, valid_new):
         self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.valid, k, v, valid_new, self.pos)
         self.pos += 1
+        self._selector.on_append_at(self)
 
     def get_max_length(self) -> int:
         return self.max_length
@@ -97,20 +100,12 @@ class StaticQuestLayer(QuestLayer):
 
 def static_decode_attention(layer: StaticQuestLayer, q, scale: float, is_dense_layer: bool, sliding_window):
     """One decode token over a static layer with fixed shapes (no host state): `[B, H_q, D]`."""
-    cfg, ops, S = layer.config, layer.ops, layer.page_size
+    ops, S = layer.ops, layer.page_size
     if sliding_window:
         raise NotImplementedError("cuda_graph=True does not support sliding-window layers yet; "
                                   "use QuestConfig(cuda_graph=False) for this model")
     cap = layer.capacity
-    if is_dense_layer:
-        ids = layer.all_pages
-    else:
-        reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
-        scores = ops.score_pages(q, layer.kmin, layer.kmax, cap, S, 0, reduce)
-        current = torch.div(layer.pos - 1, S, rounding_mode="floor").view(1)
-        scores.index_fill_(-1, current, float("inf"))
-        group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
-        ids = ops.topk_pages(scores, cfg.num_pages + 1, group)
+    ids = layer.all_pages if is_dense_layer else layer._selector.select_static(layer, q)
     return ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.valid, cap, S, scale, 0)
 
 

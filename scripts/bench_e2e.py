@@ -10,10 +10,13 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   quest       patch_model(budget) (growing QuestCache, Triton kernels on CUDA)
   quest_graph patch_model(budget, cuda_graph=True) (static QuestCache, decode step replayed as a CUDA graph)
   quest_graph_c  the same with compile_decode=True (norms and MLPs through torch.compile, then captured)
-The greedy tokens of the captured paths are compared with those of quest (same budget): `same_as_quest`.
+A quest method may name another policy and page size: `quest_graph_c:qcode1_2s/32`.
+The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
     python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
+    python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --budgets 2048 \
+        --methods static quest_graph_c quest:qcode1_2s/32 quest_graph_c:qcode1_2s/32
 """
 from __future__ import annotations
 
@@ -112,12 +115,19 @@ def main(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1])
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--methods", nargs="+", default=["dense", "static", "quest", "quest_graph", "quest_graph_c"],
-                   choices=["dense", "static", "quest", "quest_graph", "quest_graph_c"])
+                   help="dense, static, quest, quest_graph, quest_graph_c; a quest method may name a policy and page "
+                        "size: quest_graph_c:qcode1_2s/32 (default policy quest, page 16)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks"), "e2e.json"))
     args = p.parse_args(argv)
+    for m in args.methods:
+        base, _, policy = m.partition(":")
+        if base not in ("dense", "static", "quest", "quest_graph", "quest_graph_c"):
+            p.error(f"unknown method {m!r}")
+        if policy and not base.startswith("quest"):
+            p.error(f"{m!r}: only quest methods take a policy")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     rows = []
     for shape in args.shapes:
@@ -129,7 +139,9 @@ def main(argv=None):
                 # In the order given: a slow method (static's compile at 64K) can go last and be cut short.
                 runs = [(m, b) for m in args.methods for b in (args.budgets if m.startswith("quest") else [None])]
                 tokens = {}
-                for method, budget in runs:
+                for full, budget in runs:
+                    method, _, policy = full.partition(":")
+                    policy, _, page = policy.partition("/")
                     kw = {}
                     if method == "static":
                         kw = dict(cache_implementation="static")
@@ -137,20 +149,22 @@ def main(argv=None):
                         kw = dict(disable_compile=True)
                     graph = method.startswith("quest_graph")
                     if method.startswith("quest"):
-                        patch_model(model, budget=budget, cuda_graph=graph, compile_decode=method == "quest_graph_c")
+                        patch_model(model, budget=budget, cuda_graph=graph, compile_decode=method == "quest_graph_c",
+                                    policy=policy or "quest", page_size=int(page or 16))
                     try:
                         prefill, step, peak, out = measure(model, ids, args.new_tokens, device, **kw)
                         err = None
                     except Exception as e:  # a method that fails is reported, not hidden
                         prefill = step = peak = float("nan")
                         out, err = None, f"{type(e).__name__}: {e}"[:300]
-                    tokens[(method, budget)] = out
+                    tokens[(full, budget)] = out
                     same = None
                     replay = replay_ms(model, ids, args.new_tokens, device) if (
                         graph and err is None and device.type == "cuda") else None
-                    if graph and out is not None and tokens.get(("quest", budget)) is not None:
-                        same = bool(torch.equal(out, tokens[("quest", budget)]))
-                    row = dict(shape=shape, length=L, batch=B, method=method, budget=budget, prefill_s=prefill,
+                    growing = "quest" + full[len(method):]  # the same policy on the growing cache
+                    if graph and out is not None and tokens.get((growing, budget)) is not None:
+                        same = bool(torch.equal(out, tokens[(growing, budget)]))
+                    row = dict(shape=shape, length=L, batch=B, method=full, budget=budget, prefill_s=prefill,
                                step_ms=step * 1e3, tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, graph_replay_ms=replay, error=err)
                     if method == "quest_graph_c":  # proof that the compiled modules ran, and how often dynamo compiled

@@ -83,6 +83,24 @@ def test_encode_matches_reference(B, Hq, Hkv, D, S, lengths, extra, ws, bits, dt
     assert (mine[:, :, full * S:] == 0xA5).all(), "wrote past the pages asked for"
 
 
+@pytest.mark.parametrize("fn", ["encode_codes_at_ref", "encode_codes_at"])
+@pytest.mark.parametrize("bits", [1, 2])
+def test_encode_at_device_position_writes_only_a_completed_page(fn, bits):
+    # The captured step: after each append, the page ending at pos (if any) is encoded; nothing else moves.
+    S, D = 16, 64
+    _, layer = filled_layer(2, 2, D, S, (70, 50), F16, extra=0, seed=bits)
+    C = layer.capacity
+    want = torch.full((2, 2, C, D * bits // 8), 0xA5, dtype=torch.uint8)
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, want, 3, 1, bits)  # page 3 = slots 48..63
+    for pos in (0, 1, 47, 49, 63, 65):  # no page ends at these: untouched
+        got = torch.full_like(want, 0xA5)
+        getattr(tk, fn)(layer.keys, layer.kmin, layer.kmax, got, torch.tensor(pos), bits)
+        assert (got == 0xA5).all(), pos
+    got = torch.full_like(want, 0xA5)
+    getattr(tk, fn)(layer.keys, layer.kmin, layer.kmax, got, torch.tensor(64), bits)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("mode", ["max", "lse"])
 @pytest.mark.parametrize("B, Hq, Hkv, D, S, lengths, extra, ws, bits, dtype", CASES)
 def test_code_scores_match_reference(B, Hq, Hkv, D, S, lengths, extra, ws, bits, dtype, mode, monkeypatch):

@@ -82,9 +82,43 @@ def test_static_sliding_window_is_refused_clearly():
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
 
 
-def test_cuda_graph_needs_quest_policy():
-    with pytest.raises(ValueError, match="quest policy only"):
-        QuestConfig(cuda_graph=True, policy="oracle")
+def test_cuda_graph_needs_a_captured_policy():
+    for policy in ("oracle", "streaming", "qcode_topp"):
+        with pytest.raises(ValueError, match="cuda_graph=True runs the policies quest, qcode"):
+            QuestConfig(cuda_graph=True, policy=policy)
+    QuestConfig(cuda_graph=True, policy="qcode1_2s", page_size=32)
+
+
+@pytest.mark.parametrize("policy, page_size, backend, n", [
+    pytest.param("qcode1_2s", 16, "torch", 40, id="qcode1_2s"),  # 90 -> 129 tokens: 3 pages completed in decode
+    pytest.param("qcode2s", 32, "torch", 40, id="qcode2s-page32"),
+    pytest.param("qcode", 16, "torch", 40, id="qcode"),
+    pytest.param("qcode1_2s", 16, "triton", 8, id="qcode1_2s-triton"),  # interpreted: one page completed
+])
+def test_code_selectors_static_step_matches_growing_cache(policy, page_size, backend, n, single_thread):
+    # The captured step's code selectors: codes of the pages that decode completes are encoded at the device
+    # position; selection over the whole capacity gives the growing cache's pages (and tokens).
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    kw = dict(budget=2 * page_size, page_size=page_size, policy=policy, backend=backend)
+    patch_model(model, **kw, cuda_graph=False)
+    grow = _gen(model, ids, mask, n=n)
+    patch_model(model, **kw, cuda_graph=True)
+    static = _gen(model, ids, mask, n=n)
+    assert all(isinstance(layer, StaticQuestLayer) for layer in static.past_key_values.layers)
+    assert torch.equal(grow.sequences, static.sequences)
+    for a, b in zip(grow.scores, static.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # Every complete page's codes equal an encoding from scratch of the final keys.
+    import triton_kernels as tk
+
+    layer = static.past_key_values.layers[-1]
+    sel = layer._selector
+    codes = layer.side[sel.key]
+    full = layer.seq_len // page_size
+    fresh = torch.zeros_like(codes)
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, fresh, 0, full, sel.bits)
+    assert full * page_size > ids.shape[1] and torch.equal(codes[:, :, :full * page_size], fresh[:, :, :full * page_size])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

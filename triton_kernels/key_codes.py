@@ -15,7 +15,8 @@ import torch
 
 from ._common import check_cache, check_query, next_pow2, require_triton, tl, triton
 
-__all__ = ["encode_codes", "encode_codes_ref", "code_scores", "code_scores_ref", "CODE_BITS", "MODES"]
+__all__ = ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes_at_ref", "code_scores", "code_scores_ref",
+           "CODE_BITS", "MODES"]
 
 CODE_BITS = (1, 2, 4)
 MODES = ("max", "lse")
@@ -75,33 +76,42 @@ def _encode_codes_kernel(
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_lb, stride_lh, stride_lp, stride_ld,
     stride_cb, stride_ch, stride_cc,
-    H_KV, PAGE_START,
-    D: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
+    H_KV, PAGE_START, pos_ptr,
+    D: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr, AT_POS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)
-    i_p = PAGE_START + tl.program_id(1)
+    o_s = tl.arange(0, PAGE)
+    o_d = tl.arange(0, D)
+    if AT_POS:  # the page ending at the device position pos, if one does (else every access is masked off)
+        i_pos = tl.load(pos_ptr).to(tl.int64)
+        i_do = ((i_pos % PAGE == 0) & (i_pos > 0)).to(tl.int32)
+        i_p = tl.maximum(i_pos // PAGE - 1, 0)
+    else:
+        i_do = 1
+        i_p = PAGE_START + tl.program_id(1)
+    m_do = (o_d * 0 + i_do) != 0  # [D]
     i_b = i_bh // H_KV
     i_h = i_bh % H_KV
     PER: tl.constexpr = 8 // BITS
     NB: tl.constexpr = D // PER
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    o_s = tl.arange(0, PAGE)
-    o_d = tl.arange(0, D)
     p_lo = lo_ptr + i_b * stride_lb + i_h * stride_lh + i_p * stride_lp + o_d * stride_ld
-    b_lo = tl.load(p_lo).to(tl.float32)
-    b_hi = tl.load(hi_ptr + i_b * stride_lb + i_h * stride_lh + i_p * stride_lp + o_d * stride_ld).to(tl.float32)
+    b_lo = tl.load(p_lo, mask=m_do, other=0.0).to(tl.float32)
+    b_hi = tl.load(hi_ptr + i_b * stride_lb + i_h * stride_lh + i_p * stride_lp + o_d * stride_ld, mask=m_do,
+                   other=0.0).to(tl.float32)
     b_span = b_hi - b_lo
     m_ok = b_span > 0
     b_inv = tl.where(m_ok, LEVELS / tl.where(m_ok, b_span, 1.0), 0.0)
     o_slot = i_p * PAGE + o_s
     b_k = tl.load(k_ptr + i_b * stride_kb + i_h * stride_kh + o_slot[:, None] * stride_kc
-                  + o_d[None, :] * stride_kd).to(tl.float32)
+                  + o_d[None, :] * stride_kd, mask=m_do[None, :], other=0.0).to(tl.float32)
     b_x = tl.where(m_ok[None, :], (b_k - b_lo[None, :]) * b_inv[None, :], 0.0)
     b_q = tl.minimum(tl.maximum(tl.floor(b_x + 0.5), 0.0), LEVELS).to(tl.int32)
     b_q = tl.reshape(b_q, [PAGE, NB, PER]) << (tl.arange(0, PER) * BITS)[None, None, :]
     b_byte = tl.sum(b_q, axis=2).to(tl.uint8)
     o_byte = tl.arange(0, NB)
-    tl.store(c_ptr + i_b * stride_cb + i_h * stride_ch + o_slot[:, None] * stride_cc + o_byte[None, :], b_byte)
+    tl.store(c_ptr + i_b * stride_cb + i_h * stride_ch + o_slot[:, None] * stride_cc + o_byte[None, :], b_byte,
+             mask=(o_byte * 0 + i_do)[None, :] != 0)
 
 
 def encode_codes(k_cache, kmin, kmax, codes, page_start: int, num_pages: int, bits: int = 2) -> None:
@@ -117,8 +127,43 @@ def encode_codes(k_cache, kmin, kmax, codes, page_start: int, num_pages: int, bi
     _encode_codes_kernel[(B * H, num_pages)](
         k_cache, kmin, kmax, codes,
         *k_cache.stride(), *kmin.stride(), codes.stride(0), codes.stride(1), codes.stride(2),
-        H, page_start,
-        D=D, PAGE=S, BITS=bits, num_warps=4,
+        H, page_start, codes,  # (pos_ptr unused)
+        D=D, PAGE=S, BITS=bits, AT_POS=False, num_warps=4,
+    )
+
+
+def encode_codes_at_ref(k_cache, kmin, kmax, codes, pos, bits: int = 2) -> None:
+    """Encode the page that ends at the device position `pos` (a 0-dim integer tensor: the filled length),
+    when `pos` is a positive multiple of the page size; otherwise leave `codes` as they are. No host sync
+    (the captured decode step calls it after every append)."""
+    B, H, C, D, S = _check_codes(k_cache, kmin, codes, bits)
+    page = (pos.reshape(1) // S - 1).clamp(min=0)
+    slots = page * S + torch.arange(S, device=pos.device)
+    k = k_cache.index_select(2, slots).float()                                   # [B, H, S, D]
+    lo, hi = kmin.index_select(2, page).float(), kmax.index_select(2, page).float()
+    levels = (1 << bits) - 1
+    span = hi - lo
+    ok = span > 0
+    inv = torch.where(ok, levels / torch.where(ok, span, 1.0), 0.0)
+    x = torch.where(ok, (k - lo) * inv, 0.0)
+    q = torch.floor(x + 0.5).clamp(0, levels).to(torch.int32)
+    per = 8 // bits
+    q = (q.reshape(B, H, S, D // per, per) << (torch.arange(per, device=q.device) * bits)).sum(-1).to(torch.uint8)
+    do = (pos % S == 0) & (pos > 0)
+    codes.index_copy_(2, slots, torch.where(do, q, codes.index_select(2, slots)))
+
+
+def encode_codes_at(k_cache, kmin, kmax, codes, pos, bits: int = 2) -> None:
+    """Triton twin of `encode_codes_at_ref`: one program per (batch x KV head), the position read on device."""
+    require_triton()
+    B, H, C, D, S = _check_codes(k_cache, kmin, codes, bits)
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16, got {D}")
+    _encode_codes_kernel[(B * H, 1)](
+        k_cache, kmin, kmax, codes,
+        *k_cache.stride(), *kmin.stride(), codes.stride(0), codes.stride(1), codes.stride(2),
+        H, 0, pos,
+        D=D, PAGE=S, BITS=bits, AT_POS=True, num_warps=4,
     )
 
 
