@@ -162,11 +162,16 @@ def main(argv=None):
                     replay = replay_ms(model, ids, args.new_tokens, device) if (
                         graph and err is None and device.type == "cuda") else None
                     growing = "quest" + full[len(method):]  # the same policy on the growing cache
+                    first_diff = None
                     if graph and out is not None and tokens.get((growing, budget)) is not None:
-                        same = bool(torch.equal(out, tokens[(growing, budget)]))
+                        ref = tokens[(growing, budget)]
+                        same = bool(torch.equal(out, ref))
+                        if not same and out.shape == ref.shape:  # the first new token that differs
+                            first_diff = int((out != ref).any(0).nonzero()[0])
                     row = dict(shape=shape, length=L, batch=B, method=full, budget=budget, prefill_s=prefill,
                                step_ms=step * 1e3, tokens_per_s=B / step if step == step else float("nan"),
-                               peak_gib=peak / 2**30, same_as_quest=same, graph_replay_ms=replay, error=err)
+                               peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
+                               graph_replay_ms=replay, error=err)
                     if method == "quest_graph_c":  # proof that the compiled modules ran, and how often dynamo compiled
                         from torch._dynamo.utils import counters
                         row["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]

