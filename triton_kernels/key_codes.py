@@ -310,6 +310,18 @@ def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, strid
 
 
 @triton.jit
+def _block_pages(o_n, p_list, stride_nn, N_PAGES, P, HAS_PAGES: tl.constexpr):
+    """(page ids, mask) of a block's positions o_n: the pages themselves, or entries of the row's page list
+    (-1 and ids outside [0, P - 1) masked; their scores then scatter to those ids)."""
+    if HAS_PAGES:
+        o_p = tl.load(p_list + o_n * stride_nn, mask=o_n < N_PAGES, other=-1)
+        m_p = (o_p >= 0) & (o_p < P - 1)
+        return tl.where(m_p, o_p, 0), m_p
+    else:
+        return o_n, o_n < P - 1
+
+
+@triton.jit
 def _code_scores_kernel(
     q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr,
     stride_qb, stride_qh, stride_qd,
@@ -344,14 +356,8 @@ def _code_scores_kernel(
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D // PER
         LEVELS: tl.constexpr = (1 << BITS) - 1
-        o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        if HAS_PAGES:  # the block's pages are read from the list (-1: none); their scores scatter to out
-            o_p = tl.load(pages_ptr + i_b * stride_nb + i_q * stride_nh + o_p * stride_nn, mask=o_p < N_PAGES,
-                          other=-1)
-            m_p = (o_p >= 0) & (o_p < P - 1)
-            o_p = tl.where(m_p, o_p, 0)
-        else:
-            m_p = o_p < P - 1
+        o_p, m_p = _block_pages(i_pb * BLOCK_P + tl.arange(0, BLOCK_P), pages_ptr + i_b * stride_nb + i_q * stride_nh,
+                                stride_nn, N_PAGES, P, HAS_PAGES)
         o_j = tl.arange(0, NB)
         o_slot = o_p[None, :] * PAGE + tl.arange(0, PAGE)[:, None]  # [PAGE, BLOCK_P]
         b_val = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_p[None, :], other=0)
@@ -456,14 +462,8 @@ def _code_scores_words_kernel(
         CH: tl.constexpr = PAGE // TOK
         BLOCK_P: tl.constexpr = BLOCK_U // CH
         o_u = tl.arange(0, BLOCK_U)
-        o_p = i_pb * BLOCK_P + o_u // CH
-        if HAS_PAGES:  # the block's pages are read from the list (-1: none); their scores scatter to out
-            o_p = tl.load(pages_ptr + i_b * stride_nb + i_q * stride_nh + o_p * stride_nn, mask=o_p < N_PAGES,
-                          other=-1)
-            m_p = (o_p >= 0) & (o_p < P - 1)
-            o_p = tl.where(m_p, o_p, 0)
-        else:
-            m_p = o_p < P - 1
+        o_p, m_p = _block_pages(i_pb * BLOCK_P + o_u // CH, pages_ptr + i_b * stride_nb + i_q * stride_nh,
+                                stride_nn, N_PAGES, P, HAS_PAGES)
         o_m = tl.arange(0, NW2)
         o_i = tl.arange(0, SEG)
         o_slot = (o_p * PAGE + (o_u % CH) * TOK)[:, None] + tl.arange(0, TOK)[None, :]  # [BLOCK_U, TOK]
