@@ -39,15 +39,16 @@ def current_page(layer) -> torch.Tensor:
     return torch.div(layer.pos - 1, layer.page_size, rounding_mode="floor").view(1)
 
 
-def topk_static(layer, scores: torch.Tensor, group: int) -> torch.Tensor:
-    """Top `K + 1` pages a row (the spare page and the current one forced), union or shared as configured."""
+def top_pages(layer, scores: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Top `k` pages of per-query-head `scores [B, H_q, P]`: the union over each KV group, or one Top-K of the
+    group's max / sum (`gqa_mode`). (-inf/+inf pages are -inf/+inf in every row, so they stay so reduced.)"""
     cfg, ops = layer.config, layer.ops
     if cfg.gqa_mode == "union" or group == 1:
-        return ops.topk_pages(scores, cfg.num_pages + 1, group)
+        return ops.topk_pages(scores, k, group)
     B, Hq, P = scores.shape
     s = scores.reshape(B, Hq // group, group, P)
     s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)
-    return ops.topk_pages(s.contiguous(), cfg.num_pages + 1, 1)
+    return ops.topk_pages(s.contiguous(), k, 1)
 
 
 class QuestSelector(Selector):

@@ -25,7 +25,7 @@ import torch
 import triton_kernels as tk
 from triton_kernels.key_codes import code_bytes
 
-from .selectors import Selector, current_page, topk_static
+from .selectors import Selector, current_page, top_pages
 
 class QCodeSelector(Selector):
     """Pages ranked by their best token's q.k estimated from `bits`-bit per-channel codes on the page grid.
@@ -95,7 +95,7 @@ class QCodeSelector(Selector):
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity,
                   S, 0, self.bits, "max", q.shape[-1] ** -0.5)
         s.index_fill_(-1, current_page(layer), float("inf"))  # its codes are not written yet
-        return topk_static(layer, s, q.shape[1] // layer.keys.shape[1])
+        return top_pages(layer, s, q.shape[1] // layer.keys.shape[1], cfg.num_pages + 1)  # + the spare page
 
     def select(self, layer, q, window_start):
         cfg, ops = layer.config, layer.ops
@@ -109,12 +109,7 @@ class QCodeSelector(Selector):
         if self.top_p is not None:  # keep the fewest pages holding top_p of each head's estimated mass
             mask = tk.top_p_mask if ops.name == "triton" else tk.top_p_mask_ref
             s = mask(s, self.top_p, cfg.num_pages)
-        if cfg.gqa_mode == "union":
-            return ops.topk_pages(s, cfg.num_pages, G)
-        B, _, P = s.shape
-        s = s.reshape(B, H, G, P)
-        s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)  # -inf/+inf pages are -inf/+inf in every row
-        return ops.topk_pages(s.contiguous(), cfg.num_pages, 1)
+        return top_pages(layer, s, G, cfg.num_pages)
 
 
 class TwoStageCodeSelector(QCodeSelector):
@@ -141,18 +136,14 @@ class TwoStageCodeSelector(QCodeSelector):
         H, L = layer.keys.shape[1], layer.seq_len
         G = q.shape[1] // H
         bound = ops.score_pages(q, layer.kmin, layer.kmax, L, cfg.page_size, window_start, "none")  # [B, Hq, P]
-        B, Hq, P = bound.shape
+        P = bound.shape[-1]
         # Candidates per query head; every other page's bound becomes -inf in place.
         cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages), 1, mask_rest=True)
         score = tk.code_scores if ops.name == "triton" else tk.code_scores_ref
         # The candidates' estimates over their bounds, +inf at the current page.
         s = score(q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, L, cfg.page_size, window_start,
                   self.bits, "max", 1.0, cand, bound)
-        if cfg.gqa_mode == "union":
-            return ops.topk_pages(s, cfg.num_pages, G)
-        s = s.reshape(B, H, G, P)
-        s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)
-        return ops.topk_pages(s.contiguous(), cfg.num_pages, 1)
+        return top_pages(layer, s, G, cfg.num_pages)
 
     def select_static(self, layer, q):
         cfg, ops, S = layer.config, layer.ops, layer.page_size
@@ -166,4 +157,4 @@ class TwoStageCodeSelector(QCodeSelector):
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity, S,
                   0, self.bits, "max", 1.0, cand, bound)
         s.index_fill_(-1, cur, float("inf"))
-        return topk_static(layer, s, q.shape[1] // layer.keys.shape[1])
+        return top_pages(layer, s, q.shape[1] // layer.keys.shape[1], cfg.num_pages + 1)  # + the spare page

@@ -310,6 +310,15 @@ def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, strid
 
 
 @triton.jit
+def _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G: tl.constexpr):
+    """(batch, query head, KV head, q row pointer, score row pointer) of a scoring program (axis 0)."""
+    i_bq = tl.program_id(0).to(tl.int64)
+    i_b = i_bq // H_Q
+    i_q = i_bq % H_Q
+    return i_b, i_q, i_q // G, q_ptr + i_b * stride_qb + i_q * stride_qh, out_ptr + i_b * stride_ob + i_q * stride_oh
+
+
+@triton.jit
 def _block_pages(o_n, p_list, stride_nn, N_PAGES, P, HAS_PAGES: tl.constexpr):
     """(page ids, mask) of a block's positions o_n: the pages themselves, or entries of the row's page list
     (-1 and ids outside [0, P - 1) masked; their scores then scatter to those ids)."""
@@ -338,13 +347,8 @@ def _code_scores_kernel(
     # One query head per program: the G heads of a KV group are neighbouring programs, so the codes they share
     # come from L2 after the first. (Looping over the heads in one program would hold G heads' accumulators, or
     # the unpacked codes, in registers.)
-    i_bq = tl.program_id(0).to(tl.int64)
     i_pb = tl.program_id(1)
-    i_b = i_bq // H_Q
-    i_q = i_bq % H_Q
-    i_h = i_q // G
-    p_q = q_ptr + i_b * stride_qb + i_q * stride_qh
-    p_out = out_ptr + i_b * stride_ob + i_q * stride_oh
+    i_b, i_q, i_h, p_q, p_out = _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G)
     if i_pb == N_BLOCKS:
         _current_page(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab,
                       p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN,
@@ -437,13 +441,8 @@ def _code_scores_words_kernel(
     # all TOK tokens, so a page's grid value q.step of a channel is computed once for TOK tokens, a token's sum is
     # split over NW2 lanes only, and a code costs a LOP3 and an FFMA (see _fma_codes).
     # (ONE is unused here: the launch arguments are the "bytes" kernel's.)
-    i_bq = tl.program_id(0).to(tl.int64)
     i_pb = tl.program_id(1)
-    i_b = i_bq // H_Q
-    i_q = i_bq % H_Q
-    i_h = i_q // G
-    p_q = q_ptr + i_b * stride_qb + i_q * stride_qh
-    p_out = out_ptr + i_b * stride_ob + i_q * stride_oh
+    i_b, i_q, i_h, p_q, p_out = _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G)
     if i_pb == N_BLOCKS:
         _current_page(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab,
                       p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN,
