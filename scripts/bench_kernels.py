@@ -27,6 +27,7 @@ import time
 import torch
 
 import triton_kernels as tk
+from triton_kernels import quest_step as fused_mod
 from triton_kernels import score as score_mod
 from triton_kernels import sparse_attention as attn_mod
 from triton_kernels import topk as topk_mod
@@ -36,6 +37,7 @@ PAGE = 16
 L2_BYTES = 60e6
 DEV = "cuda"
 VARIANTS = False
+TUNE_STAGES = ()
 
 
 TIMER = "clean"
@@ -114,6 +116,11 @@ class Step:
         ids = tk.topk_pages(s, self.k, self.group)
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale)
 
+    def fused(self):
+        """The same step as one persistent launch (triton_kernels/quest_step.py)."""
+        return tk.quest_decode(self.q, self.kc, self.vc, self.kmin, self.kmax, self.valid, self.L, PAGE, self.k,
+                               self.scale, 0, self.reduce)
+
     def graph(self, stage="full"):
         """A CUDA graph of one stage (or the whole step): replays time the GPU work without launch overhead."""
         fn = getattr(self, stage)
@@ -178,6 +185,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
         t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
         t_total = bench(rotating([s.full for s in steps]))
         t_graph = graph_time(steps, "full")
+        t_fused = graph_time(steps, "fused")
         extra = {}
         if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
             default = attn_mod.FUSE_MERGE_MAX_SPLITS
@@ -187,11 +195,12 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             attn_mod.FUSE_MERGE_MAX_SPLITS = default
         nbytes, chosen = steps[0].bytes_read()
         limit_us = nbytes / bw * 1e6
-        best = min(t_total, t_graph)
+        best = min(t_total, t_graph, t_fused)
         rows.append(dict(
             shape=shape, L=L, B=B, budget=budget, dtype=str(dtype).replace("torch.", ""), mode=mode,
             score_us=t_score, topk_us=t_topk, attn_us=t_attn, total_us=t_total, graph_us=t_graph,
             sdpa_us=t_sdpa, speedup_plain=t_sdpa / t_total, speedup_graph=t_sdpa / t_graph,
+            fused_us=t_fused, speedup_fused=t_sdpa / t_fused,
             bytes=nbytes, chosen_pages=chosen, achieved_GBps=nbytes / (best * 1e-6) / 1e9,
             byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets, timer=TIMER, **extra,
         ))
@@ -202,14 +211,15 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
     return rows
 
 
-HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us | SDPA us "
-          "| x (plain) | x (graph) | GB/s | limit us | frac |\n|" + "---|" * 17)
+HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us | fused us "
+          "| SDPA us | x (plain) | x (graph) | x (fused) | GB/s | limit us | frac |\n|" + "---|" * 19)
 
 
 def fmt_row(r):
     return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
-            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} | {r['sdpa_us']:.1f} "
-            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} "
+            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} "
+            f"| {r.get('fused_us', float('nan')):.1f} | {r['sdpa_us']:.1f} | {r['speedup_plain']:.2f} "
+            f"| {r['speedup_graph']:.2f} | {r.get('speedup_fused', float('nan')):.2f} | {r['achieved_GBps']:.0f} "
             f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |"
             + (f" attn: merge fused {r['attn_fused_merge_us']:.1f}, merge kernel {r['attn_merge_kernel_us']:.1f}"
                if "attn_merge_kernel_us" in r else ""))
@@ -282,6 +292,22 @@ def check():
                         assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
                     attn_mod.FUSE_MERGE_MAX_SPLITS = default
                     report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: attn rel err {rel:.2e}, score err {err:.1e}")
+                for k in (1, 128):  # the one-launch step; 3 calls: a race would vary
+                    o_ref, i_ref = tk.quest_decode_ref(q, kc, vc, kmin, kmax, valid, L, PAGE, k, D ** -0.5, ws, reduce,
+                                                       return_ids=True)
+                    for _ in range(3):
+                        o, ids = tk.quest_decode(q, kc, vc, kmin, kmax, valid, L, PAGE, k, D ** -0.5, ws, reduce,
+                                                 return_ids=True)
+                        assert torch.equal(ids, i_ref), f"fused ids {dtype} {H_q} {H_kv} {L} {B} {reduce} {k}"
+                        rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+                        assert not o.isnan().any() and rel < 2e-2, f"fused rel err {rel} {dtype} {reduce} {L} {B}"
+                pos = torch.tensor(L // 2, device=dev)
+                o_ref, i_ref = tk.quest_decode_ref(q, kc, vc, kmin, kmax, valid, C, PAGE, 9, D ** -0.5, 0, reduce,
+                                                   pos=pos, return_ids=True)
+                o, ids = tk.quest_decode(q, kc, vc, kmin, kmax, valid, C, PAGE, 9, D ** -0.5, 0, reduce, pos=pos,
+                                         return_ids=True)
+                assert torch.equal(ids, i_ref), "fused ids with pos"
+                report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} L{L} B{B} {reduce}: fused step = reference (ids equal)")
             del kc, vc, kmin, kmax, valid, ref_cache
     for line in report:
         print("check:", line)
@@ -289,6 +315,10 @@ def check():
 
 
 TUNE_SPACE = {
+    "fused": (fused_mod, ("LAG", "SPLIT_TOKENS", "NUM_WARPS", "PROGRAMS_PER_SM", "SPIN_LOAD", "TOPK_MAX_TILE"),
+              [(16, 64, 4, 3, False, 4096), (-1, 64, 4, 3, False, 4096), (16, 64, 4, 3, True, 4096),
+               (-1, 64, 4, 3, True, 4096), (-1, 64, 8, 2, True, 8192), (32, 64, 4, 3, True, 8192),
+               (-1, 128, 4, 3, True, 4096), (-1, 64, 4, 2, True, 4096), (-1, 64, 8, 2, True, 4096)]),
     "score": (score_mod, ("BLOCK_P", "NUM_WARPS"), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (32, 2)]),
     "topk": (topk_mod, ("KEYS_PER_THREAD", "MAX_TILE"),
              [(32, 16384), (16, 16384), (64, 16384), (8, 16384), (128, 16384), (32, 8192)]),
@@ -327,8 +357,11 @@ def tune(bw):
             layer = make_layer(1, H_kv, L, D, torch.float16, 0)
             q = torch.randn(1, H_q, D, device=DEV, dtype=torch.float16)
             cases.append((f"{shape}/{mode}/{L}", Step(layer, q, 128, mode)))
-    results = {}
+    results = {"full_graph_us": {name: graph_time([st], "full") for name, st in cases}}
+    print(f"tune: four-launch step (graph) {results['full_graph_us']}", flush=True)
     for stage, (mod, names, cands) in TUNE_SPACE.items():
+        if TUNE_STAGES and stage not in TUNE_STAGES:
+            continue
         default = tuple(getattr(mod, n) for n in names)
         best = None
         for cand in cands:
@@ -359,6 +392,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="4K/32K/128K, batch 1/8, budget 2048, fp16 only")
     ap.add_argument("--check", action="store_true", help="compare launchers with references first")
     ap.add_argument("--tune", action="store_true", help="pick block sizes at 32K/128K first (CUDA graphs)")
+    ap.add_argument("--tune-stages", nargs="*", default=[], help="tune only these stages (default: all)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the benchmark sweep")
     ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
@@ -373,8 +407,8 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
     t0 = time.time()
-    global TIMER, VARIANTS
-    TIMER, VARIANTS = args.timer, args.variants
+    global TIMER, VARIANTS, TUNE_STAGES
+    TIMER, VARIANTS, TUNE_STAGES = args.timer, args.variants, tuple(args.tune_stages)
     meta["timer"] = TIMER
     if args.check:
         check()

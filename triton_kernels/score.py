@@ -56,20 +56,16 @@ _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
 @triton.jit
-def _score_pages_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr,
+def _score_block(
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_h, o_p,
     stride_qb, stride_qh, stride_qd,
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op,
-    H_KV, P, P_DEAD,
+    P, P_DEAD, CUR,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
-    i_pb = tl.program_id(1)
-    i_b = i_bh // H_KV
-    i_h = i_bh % H_KV
-    o_p = i_pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
@@ -83,6 +79,7 @@ def _score_pages_kernel(
     b_lo0 = tl.load(kmin_ptr + i_b * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0.0)
     b_hi0 = tl.load(kmax_ptr + i_b * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0.0)
     m_dead = (b_lo0.to(tl.float32) > b_hi0.to(tl.float32)) | (o_p < P_DEAD)
+    m_cur = (o_p == P - 1) | (o_p == CUR)
 
     b_acc = tl.full([BLOCK_P], float("-inf") if REDUCE == 1 else 0.0, tl.float32)
     for g in tl.static_range(G):
@@ -91,7 +88,7 @@ def _score_pages_kernel(
         b_s = tl.sum(tl.maximum(b_q[None, :] * b_lo, b_q[None, :] * b_hi), axis=1)
         # Empty pages hold +-inf bounds, so their sum may be NaN (0 * inf): overwritten here.
         b_s = tl.where(m_dead, float("-inf"), b_s)
-        b_s = tl.where(o_p == P - 1, float("inf"), b_s)
+        b_s = tl.where(m_cur, float("inf"), b_s)
         if REDUCE == 0:
             tl.store(out_ptr + i_b * stride_ob + (i_h * G + g) * stride_oh + o_p * stride_op, b_s, mask=m_p)
         elif REDUCE == 1:
@@ -100,6 +97,24 @@ def _score_pages_kernel(
             b_acc = b_acc + b_s
     if REDUCE != 0:
         tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_acc, mask=m_p)
+
+
+@triton.jit
+def _score_pages_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd,
+    stride_ob, stride_oh, stride_op,
+    H_KV, P, P_DEAD,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_bh // H_KV, i_bh % H_KV, o_p,
+                 stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                 stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
+                 P, P_DEAD, P - 1, G, D, BLOCK_D, BLOCK_P, REDUCE)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none"):

@@ -63,23 +63,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _sparse_attn_split_kernel(
-    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, out_ptr,
+def _attn_split(
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, i_split,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_ib, stride_ih, stride_ik,
     stride_vab, stride_vac,
-    stride_ob, stride_oh, stride_od,
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, IDS_CACHE: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
-    i_split = tl.program_id(1)
-    i_b = i_bh // H_KV
-    i_h = i_bh % H_KV
+    """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc).
+    IDS_CACHE: the page ids' load cache modifier (".cg" when another program of the same launch wrote them)."""
     o_g = tl.arange(0, G_PAD)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)
@@ -102,7 +98,7 @@ def _sparse_attn_split_kernel(
     # id -> K/V latency.
     i_t1 = i_id1 * PAGE
     o_t = i_id0 * PAGE + o_n
-    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1)
+    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1, cache_modifier=IDS_CACHE)
     for i_t0 in range(i_id0 * PAGE, i_t1, BLOCK_N):
         o_t = i_t0 + o_n  # position in this row's list of chosen tokens
         o_slot = b_page * PAGE + o_t % PAGE
@@ -110,7 +106,7 @@ def _sparse_attn_split_kernel(
         # K/V loads do not wait for the valid[] load.
         m_n = (b_page >= 0) & (o_slot < SEQ_LEN)
         o_tn = o_t + BLOCK_N
-        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1)
+        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1, cache_modifier=IDS_CACHE)
         b_ok = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_n, other=0)
         m_tok = m_n & (b_ok != 0) & (o_slot >= WINDOW_START)
         m_nd = m_n[:, None] & m_d[None, :]
@@ -139,15 +135,47 @@ def _sparse_attn_split_kernel(
     tl.store(l_ptr + o_row * NUM_SPLITS + i_split, l_i, mask=m_g)
     p_acc = acc_ptr + (o_row * NUM_SPLITS + i_split)[:, None] * D + o_d[None, :]
     tl.store(p_acc, acc, mask=m_g[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _sparse_attn_split_kernel(
+    q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_ib, stride_ih, stride_ik,
+    stride_vab, stride_vac,
+    stride_ob, stride_oh, stride_od,
+    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    i_b = i_bh // H_KV
+    i_h = i_bh % H_KV
+    _attn_split(q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, tl.program_id(1),
+                stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
+                stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
+                H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
+                G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, "")
     if FUSE_MERGE:
         # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
         # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.
         tl.debug_barrier()
         i_ticket = tl.atomic_add(cnt_ptr + i_bh, 1, sem="acq_rel")
         if i_ticket == NUM_SPLITS - 1:
-            for g in tl.static_range(G):
-                _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, (i_b * H_KV + i_h) * G + g, i_b, i_h * G + g,
-                           stride_ob, stride_oh, stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, ".cg")
+            _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, i_b, i_h, H_KV, stride_ob, stride_oh, stride_od,
+                         NUM_SPLITS, G, D, BLOCK_D, BLOCK_S)
+
+
+@triton.jit
+def _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, i_b, i_h, H_KV, stride_ob, stride_oh, stride_od, NUM_SPLITS,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the G query heads of KV head (i_b, i_h), reading the other programs' partials from L2 (.cg)."""
+    for g in tl.static_range(G):
+        _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, (i_b * H_KV + i_h) * G + g, i_b, i_h * G + g,
+                   stride_ob, stride_oh, stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, ".cg")
 
 
 @triton.jit
