@@ -59,8 +59,8 @@ class QuestSelector(Selector):
     def select_static(self, layer, q):
         cfg, ops = layer.config, layer.ops
         reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
-        scores = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, cfg.page_size, 0, reduce)
-        scores.index_fill_(-1, current_page(layer), float("inf"))
+        # The page of the last token is forced in the kernel, from the device position.
+        scores = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, cfg.page_size, 0, reduce, pos=layer.pos)
         group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
         return ops.topk_pages(scores, cfg.num_pages + 1, group)
 

@@ -148,13 +148,12 @@ class TwoStageCodeSelector(QCodeSelector):
     def select_static(self, layer, q):
         cfg, ops, S = layer.config, layer.ops, layer.page_size
         cur = current_page(layer)
-        bound = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, S, 0, "none")
-        bound.index_fill_(-1, cur, float("inf"))
+        bound = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, S, 0, "none", pos=layer.pos)
         P = bound.shape[-1]
         # + 1: the spare page (always +inf) takes a candidate slot
         cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages + 1), 1, mask_rest=True)
         score = tk.code_scores if ops.name == "triton" else tk.code_scores_ref
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity, S,
                   0, self.bits, "max", 1.0, cand, bound)
-        s.index_fill_(-1, cur, float("inf"))
+        s.index_fill_(-1, cur, float("inf"))  # the code scores replaced its bound (its codes are not written yet)
         return top_pages(layer, s, q.shape[1] // layer.keys.shape[1], cfg.num_pages + 1)  # + the spare page

@@ -27,10 +27,10 @@ import time
 import torch
 
 import triton_kernels as tk
-from triton_kernels import quest_step as fused_mod
 from triton_kernels import score as score_mod
 from triton_kernels import sparse_attention as attn_mod
 from triton_kernels import topk as topk_mod
+from triton_kernels import topk_attend as fused_mod
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (H_q, H_kv, D)
 PAGE = 16
@@ -116,10 +116,14 @@ class Step:
         ids = tk.topk_pages(s, self.k, self.group)
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale)
 
+    def sel_attn(self):
+        """Top-K and attention in one launch (triton_kernels/topk_attend.py)."""
+        return tk.topk_attention(self.scores, self.k, self.q, self.kc, self.vc, self.valid, self.L, PAGE, self.scale)
+
     def fused(self):
-        """The same step as one persistent launch (triton_kernels/quest_step.py)."""
-        return tk.quest_decode(self.q, self.kc, self.vc, self.kmin, self.kmax, self.valid, self.L, PAGE, self.k,
-                               self.scale, 0, self.reduce)
+        """The step as two launches: scores, then Top-K + attention."""
+        s = tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce)
+        return tk.topk_attention(s, self.k, self.q, self.kc, self.vc, self.valid, self.L, PAGE, self.scale)
 
     def graph(self, stage="full"):
         """A CUDA graph of one stage (or the whole step): replays time the GPU work without launch overhead."""
@@ -185,6 +189,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
         t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
         t_total = bench(rotating([s.full for s in steps]))
         t_graph = graph_time(steps, "full")
+        t_sel_attn = graph_time(steps, "sel_attn")
         t_fused = graph_time(steps, "fused")
         extra = {}
         if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
@@ -200,7 +205,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             shape=shape, L=L, B=B, budget=budget, dtype=str(dtype).replace("torch.", ""), mode=mode,
             score_us=t_score, topk_us=t_topk, attn_us=t_attn, total_us=t_total, graph_us=t_graph,
             sdpa_us=t_sdpa, speedup_plain=t_sdpa / t_total, speedup_graph=t_sdpa / t_graph,
-            fused_us=t_fused, speedup_fused=t_sdpa / t_fused,
+            sel_attn_us=t_sel_attn, fused_us=t_fused, speedup_fused=t_sdpa / t_fused,
             bytes=nbytes, chosen_pages=chosen, achieved_GBps=nbytes / (best * 1e-6) / 1e9,
             byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets, timer=TIMER, **extra,
         ))
@@ -211,15 +216,17 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
     return rows
 
 
-HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us | fused us "
-          "| SDPA us | x (plain) | x (graph) | x (fused) | GB/s | limit us | frac |\n|" + "---|" * 19)
+HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us "
+          "| topk+attn us | 2-launch graph us | SDPA us | x (plain) | x (graph) | x (2-launch) | GB/s | limit us | frac |\n|"
+          + "---|" * 20)
 
 
 def fmt_row(r):
     return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
             f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} "
-            f"| {r.get('fused_us', float('nan')):.1f} | {r['sdpa_us']:.1f} | {r['speedup_plain']:.2f} "
-            f"| {r['speedup_graph']:.2f} | {r.get('speedup_fused', float('nan')):.2f} | {r['achieved_GBps']:.0f} "
+            f"| {r.get('sel_attn_us', float('nan')):.1f} | {r.get('fused_us', float('nan')):.1f} | {r['sdpa_us']:.1f} "
+            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r.get('speedup_fused', float('nan')):.2f} "
+            f"| {r['achieved_GBps']:.0f} "
             f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |"
             + (f" attn: merge fused {r['attn_fused_merge_us']:.1f}, merge kernel {r['attn_merge_kernel_us']:.1f}"
                if "attn_merge_kernel_us" in r else ""))
@@ -292,22 +299,15 @@ def check():
                         assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
                     attn_mod.FUSE_MERGE_MAX_SPLITS = default
                     report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: attn rel err {rel:.2e}, score err {err:.1e}")
-                for k in (1, 128):  # the one-launch step; 3 calls: a race would vary
-                    o_ref, i_ref = tk.quest_decode_ref(q, kc, vc, kmin, kmax, valid, L, PAGE, k, D ** -0.5, ws, reduce,
-                                                       return_ids=True)
+                for k in (1, 128):  # Top-K + attention in one launch; 3 calls (the merge ticket could race)
+                    o_ref, i_ref = tk.topk_attention_ref(s_ref, k, q, kc, vc, valid, L, PAGE, D ** -0.5, ws,
+                                                         return_ids=True)
                     for _ in range(3):
-                        o, ids = tk.quest_decode(q, kc, vc, kmin, kmax, valid, L, PAGE, k, D ** -0.5, ws, reduce,
-                                                 return_ids=True)
-                        assert torch.equal(ids, i_ref), f"fused ids {dtype} {H_q} {H_kv} {L} {B} {reduce} {k}"
+                        o, ids = tk.topk_attention(s_ref, k, q, kc, vc, valid, L, PAGE, D ** -0.5, ws, return_ids=True)
+                        assert torch.equal(ids, i_ref), f"topk_attention ids {dtype} {H_q} {H_kv} {L} {B} {reduce} {k}"
                         rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-                        assert not o.isnan().any() and rel < 2e-2, f"fused rel err {rel} {dtype} {reduce} {L} {B}"
-                pos = torch.tensor(L // 2, device=dev)
-                o_ref, i_ref = tk.quest_decode_ref(q, kc, vc, kmin, kmax, valid, C, PAGE, 9, D ** -0.5, 0, reduce,
-                                                   pos=pos, return_ids=True)
-                o, ids = tk.quest_decode(q, kc, vc, kmin, kmax, valid, C, PAGE, 9, D ** -0.5, 0, reduce, pos=pos,
-                                         return_ids=True)
-                assert torch.equal(ids, i_ref), "fused ids with pos"
-                report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} L{L} B{B} {reduce}: fused step = reference (ids equal)")
+                        assert not o.isnan().any() and rel < 2e-2, f"topk_attention err {rel} {dtype} {reduce} {L} {B}"
+                report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} L{L} B{B} {reduce}: topk_attention = reference")
             del kc, vc, kmin, kmax, valid, ref_cache
     for line in report:
         print("check:", line)
@@ -315,15 +315,14 @@ def check():
 
 
 TUNE_SPACE = {
-    "fused": (fused_mod, ("LAG", "SPLIT_TOKENS", "NUM_WARPS", "PROGRAMS_PER_SM", "SPIN_LOAD", "TOPK_MAX_TILE"),
-              [(16, 64, 4, 3, False, 4096), (-1, 64, 4, 3, False, 4096), (16, 64, 4, 3, True, 4096),
-               (-1, 64, 4, 3, True, 4096), (-1, 64, 8, 2, True, 8192), (32, 64, 4, 3, True, 8192),
-               (-1, 128, 4, 3, True, 4096), (-1, 64, 4, 2, True, 4096), (-1, 64, 8, 2, True, 4096)]),
+    "fused": (fused_mod, ("PROGRAMS_PER_SM", "MAX_TILE"), [(1, 4096), (2, 4096), (4, 4096), (1, 8192), (2, 8192),
+                                                          (1, 2048), (3, 4096)]),
     "score": (score_mod, ("BLOCK_P", "NUM_WARPS"), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (32, 2)]),
     "topk": (topk_mod, ("KEYS_PER_THREAD", "MAX_TILE"),
              [(32, 16384), (16, 16384), (64, 16384), (8, 16384), (128, 16384), (32, 8192)]),
     "attn": (attn_mod, ("BLOCK_N", "NUM_WARPS", "PROGRAMS_PER_SM"),
-             [(32, 4, 4), (64, 4, 4), (64, 4, 8), (64, 8, 4), (128, 8, 4), (64, 4, 2), (32, 2, 8), (32, 4, 8)]),
+             [(32, 4, 4), (64, 4, 4), (64, 4, 8), (64, 8, 4), (128, 8, 4), (64, 4, 2), (32, 2, 8), (32, 4, 8),
+              (32, 4, 3), (32, 4, 2), (32, 4, 6), (16, 4, 4), (16, 2, 8)]),
 }
 
 
@@ -358,7 +357,7 @@ def tune(bw):
             q = torch.randn(1, H_q, D, device=DEV, dtype=torch.float16)
             cases.append((f"{shape}/{mode}/{L}", Step(layer, q, 128, mode)))
     results = {"full_graph_us": {name: graph_time([st], "full") for name, st in cases}}
-    print(f"tune: four-launch step (graph) {results['full_graph_us']}", flush=True)
+    print(f"tune: whole step (graph) {results['full_graph_us']}", flush=True)
     for stage, (mod, names, cands) in TUNE_SPACE.items():
         if TUNE_STAGES and stage not in TUNE_STAGES:
             continue

@@ -159,6 +159,30 @@ def test_score_matches_reference(B, Hq, Hkv, D, S, L, ws, reduce, dtype, pad):
     assert_close(got[~inf], want[~inf], F32)
 
 
+@pytest.mark.parametrize("reduce", ["none", "max", "sum"])
+def test_score_forces_the_device_position_page(reduce):
+    # The captured step scores the whole capacity; the page holding position pos - 1 is forced in the kernel.
+    B, Hq, Hkv, D, S, L = 2, 4, 2, 64, 16, 90
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, F16, seed=2, pad=(0, 20))
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(3)).to(F16).to(DEV)
+    C = kc.shape[2]
+    plain = tk.score_pages_ref(q, kmin, kmax, C, S, 0, reduce)
+    for pos in (1, 40, 90):
+        p = torch.tensor(pos, device=DEV)
+        got = tk.score_pages(q, kmin, kmax, C, S, 0, reduce, pos=p)
+        want = tk.score_pages_ref(q, kmin, kmax, C, S, 0, reduce, pos=p)
+        cur = (pos - 1) // S
+        assert (got[..., cur] == float("inf")).all() and (got[..., -1] == float("inf")).all()
+        other = torch.ones(got.shape[-1], dtype=torch.bool)
+        other[[cur, -1]] = False
+        assert torch.equal(want[..., other], plain[..., other])  # nothing else changes
+        inf = ~want.isfinite()
+        assert torch.equal(got[inf], want[inf])
+        assert_close(got[~inf], want[~inf], F32)
+    with pytest.raises(ValueError, match="pos must be one integer"):
+        tk.score_pages(q, kmin, kmax, C, S, 0, reduce, pos=torch.tensor([1, 2], device=DEV))
+
+
 # ------------------------------------------------------------------------------------------------- topk
 def random_scores(B, R, P, seed, ties=False, dead=0.2):
     g = torch.Generator().manual_seed(seed)

@@ -17,6 +17,6 @@ from .key_codes import (  # noqa: E402
 
 __all__ += ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes_at_ref", "code_scores",
             "code_scores_ref"]
-from .quest_step import clear_workspaces, quest_decode, quest_decode_ref  # noqa: E402
+from .topk_attend import topk_attention, topk_attention_ref  # noqa: E402
 
-__all__ += ["quest_decode", "quest_decode_ref", "clear_workspaces"]
+__all__ += ["topk_attention", "topk_attention_ref"]

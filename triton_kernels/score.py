@@ -23,14 +23,22 @@ def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce):
     return B, H, G, D, P
 
 
-def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none"):
+def _check_pos(pos, device):
+    if pos is not None and (pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device):
+        raise ValueError(f"pos must be one integer tensor on {device}, got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
+
+
+def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
+                    pos=None):
     """Score the `P = ceil(seq_len / S)` pages of a layer for one decode query.
 
     q `[B, H_q, D]`; kmin/kmax `[B, H_kv, P_cap, D]`. Returns fp32 `[B, H_q, P]` (`reduce="none"`) or
     `[B, H_kv, P]` (`"max"`/`"sum"` over each KV group). The current page `P - 1` scores `+inf` (always
     chosen); empty pages (padding only) and pages ending before `window_start` score `-inf` (never chosen).
+    `pos` (one integer on q's device: the captured step's write position) forces page `(pos - 1) // S` too.
     """
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
+    _check_pos(pos, q.device)
     qf = q.float().reshape(B, H, G, 1, D)
     lo, hi = kmin[:, :, None, :P].float(), kmax[:, :, None, :P].float()
     empty = (kmin[:, :, :P, 0] > kmax[:, :, :P, 0])[:, :, None]  # [B, H, 1, P]
@@ -41,6 +49,8 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     s = s.masked_fill(empty, float("-inf"))
     s[..., : window_start // page_size] = float("-inf")
     s[..., P - 1] = float("inf")
+    if pos is not None:
+        s.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
     if reduce == "max":
         return s.amax(2)
     if reduce == "sum":
@@ -101,23 +111,28 @@ def _score_block(
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, pos_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op,
-    H_KV, P, P_DEAD,
+    H_KV, P, P_DEAD, PAGE,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    cur = P - 1
+    if HAS_POS:  # the page of the last token written, read on the device (no host sync, graph-capturable)
+        cur = (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE
     _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_bh // H_KV, i_bh % H_KV, o_p,
                  stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                  stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
-                 P, P_DEAD, P - 1, G, D, BLOCK_D, BLOCK_P, REDUCE)
+                 P, P_DEAD, cur, G, D, BLOCK_D, BLOCK_P, REDUCE)
 
 
-def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none"):
+def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
+                pos=None):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
@@ -125,17 +140,18 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     """
     require_triton()
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
+    _check_pos(pos, q.device)
     rows = H * G if reduce == "none" else H
     out = torch.empty(B, rows, P, dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(P, BLOCK_P))
     _score_pages_kernel[grid](
-        q, kmin, kmax, out,
+        q, kmin, kmax, out, pos if pos is not None else out,
         q.stride(0), q.stride(1), q.stride(2),
         kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        H, P, window_start // page_size,
-        G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce],
+        H, P, window_start // page_size, page_size,
+        G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         num_warps=NUM_WARPS,
     )
     return out

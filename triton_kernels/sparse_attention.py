@@ -72,10 +72,9 @@ def _attn_split(
     stride_vab, stride_vac,
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, IDS_CACHE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
 ):
-    """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc).
-    IDS_CACHE: the page ids' load cache modifier (".cg" when another program of the same launch wrote them)."""
+    """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc)."""
     o_g = tl.arange(0, G_PAD)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)
@@ -98,7 +97,7 @@ def _attn_split(
     # id -> K/V latency.
     i_t1 = i_id1 * PAGE
     o_t = i_id0 * PAGE + o_n
-    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1, cache_modifier=IDS_CACHE)
+    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1)
     for i_t0 in range(i_id0 * PAGE, i_t1, BLOCK_N):
         o_t = i_t0 + o_n  # position in this row's list of chosen tokens
         o_slot = b_page * PAGE + o_t % PAGE
@@ -106,7 +105,7 @@ def _attn_split(
         # K/V loads do not wait for the valid[] load.
         m_n = (b_page >= 0) & (o_slot < SEQ_LEN)
         o_tn = o_t + BLOCK_N
-        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1, cache_modifier=IDS_CACHE)
+        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1)
         b_ok = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_n, other=0)
         m_tok = m_n & (b_ok != 0) & (o_slot >= WINDOW_START)
         m_nd = m_n[:, None] & m_d[None, :]
@@ -158,7 +157,7 @@ def _sparse_attn_split_kernel(
                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
                 stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
                 H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
-                G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, "")
+                G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT)
     if FUSE_MERGE:
         # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
         # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.

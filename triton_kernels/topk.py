@@ -62,11 +62,11 @@ def _order_key(x):
 
 
 @triton.jit
-def _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, G, P, CACHE: tl.constexpr):
+def _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, G, P):
     # [G_PAD, BLOCK_P] keys; lanes past P or G get INT_MIN, below every real key.
     m = (o_r[:, None] < G) & (o_p[None, :] < P)
     b_key = _order_key(tl.load(p_rows + o_r[:, None] * stride_sr + o_p[None, :] * stride_sp, mask=m,
-                               other=float("-inf"), cache_modifier=CACHE))
+                               other=float("-inf")))
     return tl.where(m, b_key, INT_MIN)
 
 
@@ -81,12 +81,12 @@ def _counts_ge(b_key, t1, t2, t3):
 
 @triton.jit
 def _topk_rows(
-    p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT,
+    p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_LO, K_HI,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, CACHE: tl.constexpr,
+    MASK_REST: tl.constexpr,
 ):
-    """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded to K_OUT at `p_out`.
-    CACHE: the scores' load cache modifier ("" or ".cg" when other programs of the same launch wrote them)."""
+    """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded: entries
+    `[K_LO, K_HI)` of that list are written at `p_out` (the whole list: 0 and its length)."""
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
 
@@ -94,7 +94,7 @@ def _topk_rows(
     # (a) Only the bits where the row's finite keys differ need searching: start from the common prefix of
     #     its largest and smallest finite key. A row with at most KK finite keys takes them all (T = -inf).
     if SINGLE_TILE:
-        b_key1 = _load_keys(p_rows, o_r, o_n, stride_sr, stride_sp, GROUP, P, CACHE)
+        b_key1 = _load_keys(p_rows, o_r, o_n, stride_sr, stride_sp, GROUP, P)
         m_fin = b_key1 > NEG_INF_KEY
         n_fin = tl.sum(m_fin.to(tl.int32), axis=1)
         i_max = tl.max(b_key1, axis=1)
@@ -104,7 +104,7 @@ def _topk_rows(
         i_max = tl.zeros([GROUP_PAD], dtype=tl.int32) + INT_MIN
         i_min = tl.zeros([GROUP_PAD], dtype=tl.int32) + INT_MAX
         for i_p0 in range(0, P, BLOCK_P):
-            b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P, CACHE)
+            b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
             m_fin = b_key > NEG_INF_KEY
             n_fin += tl.sum(m_fin.to(tl.int32), axis=1)
             i_max = tl.maximum(i_max, tl.max(b_key, axis=1))
@@ -136,7 +136,7 @@ def _topk_rows(
         else:
             i_pack = tl.zeros([GROUP_PAD], dtype=tl.int64)
             for i_p0 in range(0, P, BLOCK_P):
-                i_pack += _counts_ge(_load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P, CACHE), t1, t2, t3)
+                i_pack += _counts_ge(_load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P), t1, t2, t3)
         c1 = (i_pack & 0xFFFF).to(tl.int32)
         c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
         c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
@@ -153,7 +153,7 @@ def _topk_rows(
     else:
         i_gt = tl.zeros([GROUP_PAD], dtype=tl.int32)
         for i_p0 in range(0, P, BLOCK_P):
-            b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P, CACHE)
+            b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
             i_gt += tl.sum((b_key > i_lo[:, None]).to(tl.int32), axis=1)
     i_need = KK - i_gt
 
@@ -166,7 +166,7 @@ def _topk_rows(
         if SINGLE_TILE:
             b_key = b_key1
         else:
-            b_key = _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, GROUP, P, CACHE)
+            b_key = _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, GROUP, P)
         b_eq = (b_key == i_lo[:, None]).to(tl.int32)
         b_rank = tl.cumsum(b_eq, axis=1) - 1 + b_seen[:, None]
         m_pick = (b_key > i_lo[:, None]) | ((b_eq != 0) & (b_rank < i_need[:, None]))
@@ -177,12 +177,12 @@ def _topk_rows(
                      tl.full([GROUP_PAD, BLOCK_P], float("-inf"), tl.float32), mask=m_in & ~m_pick)
         b_union = tl.max(m_pick.to(tl.int32), axis=0)
         b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
-        tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
+        tl.store(p_out + b_pos * stride_ok, o_p, mask=(b_union != 0) & (b_pos >= K_LO) & (b_pos < K_HI))
         i_out += tl.sum(b_union, axis=0)
         b_seen += tl.sum(b_eq, axis=1)
-    for i_k0 in range(0, K_OUT, BLOCK_P):
+    for i_k0 in range(K_LO, K_HI, BLOCK_P):
         o_k = i_k0 + o_n
-        tl.store(p_out + o_k * stride_ok, tl.full([BLOCK_P], -1, tl.int32), mask=(o_k >= i_out) & (o_k < K_OUT))
+        tl.store(p_out + o_k * stride_ok, tl.full([BLOCK_P], -1, tl.int32), mask=(o_k >= i_out) & (o_k < K_HI))
 
 
 @triton.jit
@@ -198,7 +198,7 @@ def _topk_pages_kernel(
     i_b = i_bg // R_OUT
     i_g = i_bg % R_OUT
     _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
-               stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST, "")
+               stride_sr, stride_sp, stride_ok, P, KK, 0, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
 
 
 def launch_config(P: int, group: int):
