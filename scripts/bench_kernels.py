@@ -30,7 +30,6 @@ import triton_kernels as tk
 from triton_kernels import score as score_mod
 from triton_kernels import sparse_attention as attn_mod
 from triton_kernels import topk as topk_mod
-from triton_kernels import topk_attend as fused_mod
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (H_q, H_kv, D)
 PAGE = 16
@@ -116,15 +115,6 @@ class Step:
         ids = tk.topk_pages(s, self.k, self.group)
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale)
 
-    def sel_attn(self):
-        """Top-K and attention in one launch (triton_kernels/topk_attend.py)."""
-        return tk.topk_attention(self.scores, self.k, self.q, self.kc, self.vc, self.valid, self.L, PAGE, self.scale)
-
-    def fused(self):
-        """The step as two launches: scores, then Top-K + attention."""
-        s = tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce)
-        return tk.topk_attention(s, self.k, self.q, self.kc, self.vc, self.valid, self.L, PAGE, self.scale)
-
     def graph(self, stage="full"):
         """A CUDA graph of one stage (or the whole step): replays time the GPU work without launch overhead."""
         fn = getattr(self, stage)
@@ -189,8 +179,6 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
         t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
         t_total = bench(rotating([s.full for s in steps]))
         t_graph = graph_time(steps, "full")
-        t_sel_attn = graph_time(steps, "sel_attn")
-        t_fused = graph_time(steps, "fused")
         extra = {}
         if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
             default = attn_mod.FUSE_MERGE_MAX_SPLITS
@@ -200,12 +188,11 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             attn_mod.FUSE_MERGE_MAX_SPLITS = default
         nbytes, chosen = steps[0].bytes_read()
         limit_us = nbytes / bw * 1e6
-        best = min(t_total, t_graph, t_fused)
+        best = min(t_total, t_graph)
         rows.append(dict(
             shape=shape, L=L, B=B, budget=budget, dtype=str(dtype).replace("torch.", ""), mode=mode,
             score_us=t_score, topk_us=t_topk, attn_us=t_attn, total_us=t_total, graph_us=t_graph,
             sdpa_us=t_sdpa, speedup_plain=t_sdpa / t_total, speedup_graph=t_sdpa / t_graph,
-            sel_attn_us=t_sel_attn, fused_us=t_fused, speedup_fused=t_sdpa / t_fused,
             bytes=nbytes, chosen_pages=chosen, achieved_GBps=nbytes / (best * 1e-6) / 1e9,
             byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets, timer=TIMER, **extra,
         ))
@@ -216,17 +203,14 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
     return rows
 
 
-HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us "
-          "| topk+attn us | 2-launch graph us | SDPA us | x (plain) | x (graph) | x (2-launch) | GB/s | limit us | frac |\n|"
-          + "---|" * 20)
+HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us | SDPA us "
+          "| x (plain) | x (graph) | GB/s | limit us | frac |\n|" + "---|" * 17)
 
 
 def fmt_row(r):
     return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
-            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} "
-            f"| {r.get('sel_attn_us', float('nan')):.1f} | {r.get('fused_us', float('nan')):.1f} | {r['sdpa_us']:.1f} "
-            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r.get('speedup_fused', float('nan')):.2f} "
-            f"| {r['achieved_GBps']:.0f} "
+            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} | {r['sdpa_us']:.1f} "
+            f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} "
             f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |"
             + (f" attn: merge fused {r['attn_fused_merge_us']:.1f}, merge kernel {r['attn_merge_kernel_us']:.1f}"
                if "attn_merge_kernel_us" in r else ""))
@@ -299,15 +283,6 @@ def check():
                         assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
                     attn_mod.FUSE_MERGE_MAX_SPLITS = default
                     report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: attn rel err {rel:.2e}, score err {err:.1e}")
-                for k in (1, 128):  # Top-K + attention in one launch; 3 calls (the merge ticket could race)
-                    o_ref, i_ref = tk.topk_attention_ref(s_ref, k, q, kc, vc, valid, L, PAGE, D ** -0.5, ws,
-                                                         return_ids=True)
-                    for _ in range(3):
-                        o, ids = tk.topk_attention(s_ref, k, q, kc, vc, valid, L, PAGE, D ** -0.5, ws, return_ids=True)
-                        assert torch.equal(ids, i_ref), f"topk_attention ids {dtype} {H_q} {H_kv} {L} {B} {reduce} {k}"
-                        rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-                        assert not o.isnan().any() and rel < 2e-2, f"topk_attention err {rel} {dtype} {reduce} {L} {B}"
-                report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} L{L} B{B} {reduce}: topk_attention = reference")
             del kc, vc, kmin, kmax, valid, ref_cache
     for line in report:
         print("check:", line)
@@ -315,8 +290,6 @@ def check():
 
 
 TUNE_SPACE = {
-    "fused": (fused_mod, ("PROGRAMS_PER_SM", "MAX_TILE"), [(1, 4096), (2, 4096), (4, 4096), (1, 8192), (2, 8192),
-                                                          (1, 2048), (3, 4096)]),
     "score": (score_mod, ("BLOCK_P", "NUM_WARPS"), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (32, 2)]),
     "topk": (topk_mod, ("KEYS_PER_THREAD", "MAX_TILE"),
              [(32, 16384), (16, 16384), (64, 16384), (8, 16384), (128, 16384), (32, 8192)]),

@@ -17,6 +17,3 @@ from .key_codes import (  # noqa: E402
 
 __all__ += ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes_at_ref", "code_scores",
             "code_scores_ref"]
-from .topk_attend import topk_attention, topk_attention_ref  # noqa: E402
-
-__all__ += ["topk_attention", "topk_attention_ref"]

@@ -81,12 +81,11 @@ def _counts_ge(b_key, t1, t2, t3):
 
 @triton.jit
 def _topk_rows(
-    p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_LO, K_HI,
+    p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
     MASK_REST: tl.constexpr,
 ):
-    """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded: entries
-    `[K_LO, K_HI)` of that list are written at `p_out` (the whole list: 0 and its length)."""
+    """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded to K_OUT at `p_out`."""
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
 
@@ -177,12 +176,12 @@ def _topk_rows(
                      tl.full([GROUP_PAD, BLOCK_P], float("-inf"), tl.float32), mask=m_in & ~m_pick)
         b_union = tl.max(m_pick.to(tl.int32), axis=0)
         b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
-        tl.store(p_out + b_pos * stride_ok, o_p, mask=(b_union != 0) & (b_pos >= K_LO) & (b_pos < K_HI))
+        tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
         i_out += tl.sum(b_union, axis=0)
         b_seen += tl.sum(b_eq, axis=1)
-    for i_k0 in range(K_LO, K_HI, BLOCK_P):
+    for i_k0 in range(0, K_OUT, BLOCK_P):
         o_k = i_k0 + o_n
-        tl.store(p_out + o_k * stride_ok, tl.full([BLOCK_P], -1, tl.int32), mask=(o_k >= i_out) & (o_k < K_HI))
+        tl.store(p_out + o_k * stride_ok, tl.full([BLOCK_P], -1, tl.int32), mask=(o_k >= i_out) & (o_k < K_OUT))
 
 
 @triton.jit
@@ -198,7 +197,7 @@ def _topk_pages_kernel(
     i_b = i_bg // R_OUT
     i_g = i_bg % R_OUT
     _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
-               stride_sr, stride_sp, stride_ok, P, KK, 0, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
+               stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
 
 
 def launch_config(P: int, group: int):
