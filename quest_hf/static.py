@@ -9,9 +9,10 @@ shapes and no host state inside the step:
   (`append_token_at`; index ops on the PyTorch path);
 - selection (the policy's `select_static`: quest and the fixed-budget code selectors) scores every page of
   the capacity (unwritten pages are empty: `-inf`), forces the current page `(pos - 1) // S` read on the
-  device (inside the score kernel: `score_pages(pos=)`), and chooses `K + 1` pages: the kernels' own forced page is the last capacity page, a spare page past
-  `max_length` that is never written, so it costs no token; code selectors encode a page when an append
-  completes it, the position read on the device (`encode_codes_at`);
+  device (inside the score kernel: `score_pages(pos=)`), and chooses `K + 1` pages: the kernels' own forced
+  page is the last capacity page, a spare page past `max_length` that is never written, so it costs no token;
+  code selectors encode a page when an append completes it, the position read on the device
+  (`encode_codes_at`);
 - the first `dense_layers` layers attend over every page through the same kernel (exact dense).
 Prefill runs eagerly through the regular path. On CPU the same static step runs without capture.
 """

@@ -25,7 +25,8 @@ def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce):
 
 def _check_pos(pos, device):
     if pos is not None and (pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device):
-        raise ValueError(f"pos must be one integer tensor on {device}, got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
+        raise ValueError(f"pos must be one integer tensor on {device}, "
+                         f"got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
 
 
 def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
