@@ -57,19 +57,19 @@ class QuestSelector(Selector):
     captured = True
 
     def select_static(self, layer, q):
-        cfg, ops = layer.config, layer.ops
-        reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
-        # The page of the last token is forced in the kernel, from the device position.
-        scores = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, cfg.page_size, 0, reduce, pos=layer.pos)
-        group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
-        return ops.topk_pages(scores, cfg.num_pages + 1, group)
+        # Over the whole capacity; the page of the last token is forced in the kernel, from the device position.
+        return self._choose(layer, q, layer.capacity, 0, layer.config.num_pages + 1, layer.pos)
 
     def select(self, layer, q, window_start):
+        return self._choose(layer, q, layer.seq_len, window_start, layer.config.num_pages)
+
+    @staticmethod
+    def _choose(layer, q, seq_len, window_start, k, pos=None):
         cfg, ops = layer.config, layer.ops
         reduce = "none" if cfg.gqa_mode == "union" else cfg.gqa_mode
-        scores = ops.score_pages(q, layer.kmin, layer.kmax, layer.seq_len, cfg.page_size, window_start, reduce)
+        scores = ops.score_pages(q, layer.kmin, layer.kmax, seq_len, cfg.page_size, window_start, reduce, pos=pos)
         group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
-        return ops.topk_pages(scores, cfg.num_pages, group)
+        return ops.topk_pages(scores, k, group)
 
 
 class StreamingSelector(Selector):

@@ -27,6 +27,7 @@ from triton_kernels.key_codes import code_bytes
 
 from .selectors import Selector, current_page, top_pages
 
+
 class QCodeSelector(Selector):
     """Pages ranked by their best token's q.k estimated from `bits`-bit per-channel codes on the page grid.
 

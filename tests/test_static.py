@@ -21,7 +21,7 @@ def _gen(model, ids, mask, n=12):
     pytest.param(4, 4, "union", 32, id="mha-sparse"),
     pytest.param(8, 2, "union", 1024, id="gqa4-covering"),
 ])
-def test_static_step_matches_growing_cache(heads, kv_heads, mode, budget):
+def test_static_step_matches_growing_cache(heads, kv_heads, mode, budget, single_thread):
     model = tiny_model("llama", heads=heads, kv_heads=kv_heads)
     ids, mask = left_padded_batch(lengths=(90, 71))
     patch_model(model, budget=budget, gqa_mode=mode)
