@@ -52,43 +52,6 @@ else:
     HAS_TRITON = True
 
 
-def _triton_knows_pdl() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra import cuda as tl_cuda
-    except ImportError:
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl_cuda, "gdc_wait")
-
-
-# Programmatic dependent launch (CUDA, compute capability 9.0+): a Quest kernel is launched while the kernel
-# before it in the stream drains, and waits (`gdc_wait`, first thing in every program) until that kernel has
-# finished and its writes are visible. QUEST_HF_PDL=0 turns it off.
-USE_PDL = os.environ.get("QUEST_HF_PDL", "1") != "0"
-_PDL_DEVICES: dict = {}
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    if not (USE_PDL and HAS_TRITON) or device.type != "cuda" or interpreting():
-        return False
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _PDL_DEVICES:
-        _PDL_DEVICES[key] = torch.cuda.get_device_capability(key)[0] >= 9 and _triton_knows_pdl()
-    return _PDL_DEVICES[key]
-
-
-def pdl_launch(device: torch.device) -> dict:
-    on = pdl_enabled(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
-
 def require_triton():
     if not HAS_TRITON:
         raise RuntimeError("the triton package is not installed: use the *_ref functions (backend='torch')")

@@ -4,7 +4,7 @@ Layouts follow `_contract.md`: caches `[B, H_kv, C, D]`, metadata `[B, H_kv, C /
 """
 import torch
 
-from ._common import check_cache, next_pow2, pdl_launch, pdl_wait, require_triton, tl, triton
+from ._common import check_cache, next_pow2, require_triton, tl, triton
 
 __all__ = ["append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref"]
 
@@ -57,10 +57,9 @@ def _append_kv_kernel(
     stride_vnb, stride_vnh, stride_vnt, stride_vnd,
     stride_wb, stride_wt,
     H_KV, START, T,
-    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr, PDL: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
     START_ON_DEVICE: tl.constexpr,
 ):
-    pdl_wait(PDL)
     if START_ON_DEVICE:  # a captured decode step: the write position is device data (one token, one page)
         START = tl.load(start_ptr)
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
@@ -130,7 +129,7 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
         H, start, k_new.shape[2],
         PAGE=k_cache.shape[2] // kmin.shape[2], D=D, BLOCK_D=max(16, next_pow2(D)),
         USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None,
-        num_warps=4, **pdl_launch(k_cache.device),
+        num_warps=4,
     )
 
 

@@ -1,7 +1,7 @@
 """Quest page scores: the upper bound `sum_i max(q_i * min_i, q_i * max_i)` of q.k over a page (arXiv 2406.10774)."""
 import torch
 
-from ._common import check_query, next_pow2, pdl_launch, pdl_wait, require_triton, tl, triton
+from ._common import check_query, next_pow2, require_triton, tl, triton
 
 __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 
@@ -119,9 +119,8 @@ def _score_pages_kernel(
     stride_ob, stride_oh, stride_op,
     H_KV, P, P_DEAD, PAGE,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
-    HAS_POS: tl.constexpr, PDL: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):
-    pdl_wait(PDL)
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     cur = P - 1
@@ -154,6 +153,6 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         out.stride(0), out.stride(1), out.stride(2),
         H, P, window_start // page_size, page_size,
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
-        num_warps=NUM_WARPS, **pdl_launch(q.device),
+        num_warps=NUM_WARPS,
     )
     return out

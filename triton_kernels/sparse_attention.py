@@ -1,7 +1,7 @@
 """Decode attention over the chosen pages only (exact softmax over exactly their valid tokens)."""
 import torch
 
-from ._common import check_query, interpreting, next_pow2, num_sms, pdl_launch, pdl_wait, require_triton, tl, triton
+from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
@@ -148,9 +148,8 @@ def _sparse_attn_split_kernel(
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    pdl_wait(PDL)
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
     i_h = i_bh % H_KV
@@ -206,9 +205,8 @@ def _sparse_attn_merge_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr,
     stride_ob, stride_oh, stride_od,
     H_Q, NUM_SPLITS,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    pdl_wait(PDL)
     i_row = tl.program_id(0).to(tl.int64)
     _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_row // H_Q, i_row % H_Q, stride_ob, stride_oh, stride_od,
                NUM_SPLITS, D, BLOCK_D, BLOCK_S, "")
@@ -259,13 +257,13 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         FUSE_MERGE=fuse, BLOCK_S=block_s,
-        num_warps=NUM_WARPS, **pdl_launch(q.device),
+        num_warps=NUM_WARPS,
     )
     if not fuse:
         _sparse_attn_merge_kernel[(B * H * G,)](
             m_part, l_part, acc_part, out,
             out.stride(0), out.stride(1), out.stride(2),
             H * G, splits,
-            D=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4, **pdl_launch(q.device),
+            D=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
         )
     return out

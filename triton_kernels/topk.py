@@ -1,7 +1,7 @@
 """Top-K page ids per score row, with the union over the query heads of a KV group."""
 import torch
 
-from ._common import next_pow2, pdl_launch, pdl_wait, require_triton, tl, triton
+from ._common import next_pow2, require_triton, tl, triton
 
 __all__ = ["topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref"]
 
@@ -191,9 +191,8 @@ def _topk_pages_kernel(
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, PDL: tl.constexpr,
+    MASK_REST: tl.constexpr,
 ):
-    pdl_wait(PDL)
     i_bg = tl.program_id(0).to(tl.int64)
     i_b = i_bg // R_OUT
     i_g = i_bg % R_OUT
@@ -235,7 +234,7 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, _num_
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        num_warps=_num_warps or warps, **pdl_launch(scores.device),
+        num_warps=_num_warps or warps,
     )
     return out
 
