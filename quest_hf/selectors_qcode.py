@@ -25,7 +25,7 @@ import torch
 import triton_kernels as tk
 from triton_kernels.key_codes import code_bytes
 
-from .selectors import Selector, current_page, top_pages
+from .selectors import Selector, top_pages
 
 
 class QCodeSelector(Selector):
@@ -93,9 +93,9 @@ class QCodeSelector(Selector):
     def select_static(self, layer, q):
         cfg, S = layer.config, layer.page_size
         score = tk.code_scores if layer.ops.name == "triton" else tk.code_scores_ref
+        # The current page's codes are not written yet: pos= scores it +inf.
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity,
-                  S, 0, self.bits, "max", q.shape[-1] ** -0.5)
-        s.index_fill_(-1, current_page(layer), float("inf"))  # its codes are not written yet
+                  S, 0, self.bits, "max", q.shape[-1] ** -0.5, pos=layer.pos)
         return top_pages(layer, s, q.shape[1] // layer.keys.shape[1], cfg.num_pages + 1)  # + the spare page
 
     def select(self, layer, q, window_start):
@@ -148,13 +148,12 @@ class TwoStageCodeSelector(QCodeSelector):
 
     def select_static(self, layer, q):
         cfg, ops, S = layer.config, layer.ops, layer.page_size
-        cur = current_page(layer)
         bound = ops.score_pages(q, layer.kmin, layer.kmax, layer.capacity, S, 0, "none", pos=layer.pos)
         P = bound.shape[-1]
         # + 1: the spare page (always +inf) takes a candidate slot
         cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages + 1), 1, mask_rest=True)
         score = tk.code_scores if ops.name == "triton" else tk.code_scores_ref
+        # The code scores replace the candidates' bounds; pos= keeps the current page (codes unwritten) at +inf.
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._static_codes(layer), layer.valid, layer.capacity, S,
-                  0, self.bits, "max", 1.0, cand, bound)
-        s.index_fill_(-1, cur, float("inf"))  # the code scores replaced its bound (its codes are not written yet)
+                  0, self.bits, "max", 1.0, cand, bound, pos=layer.pos)
         return top_pages(layer, s, q.shape[1] // layer.keys.shape[1], cfg.num_pages + 1)  # + the spare page

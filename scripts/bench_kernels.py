@@ -296,6 +296,7 @@ TUNE_SPACE = {
     "attn": (attn_mod, ("BLOCK_N", "NUM_WARPS", "PROGRAMS_PER_SM"),
              [(32, 4, 4), (64, 4, 4), (64, 4, 8), (64, 8, 4), (128, 8, 4), (64, 4, 2), (32, 2, 8), (32, 4, 8),
               (32, 4, 3), (32, 4, 2), (32, 4, 6), (16, 4, 4), (16, 2, 8)]),
+    "attn_stages": (attn_mod, ("NUM_STAGES", "BLOCK_N"), [(3, 32), (1, 32), (2, 32), (4, 32), (2, 64), (3, 64)]),
 }
 
 
@@ -340,7 +341,7 @@ def tune(bw):
             for n, v in zip(names, cand):
                 setattr(mod, n, v)
             try:
-                times = {name: graph_time([st], stage) for name, st in cases}
+                times = {name: graph_time([st], stage.split("_")[0]) for name, st in cases}
             except Exception as e:  # a candidate that does not compile is skipped, not fatal
                 print(f"tune: {stage} {cand} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue

@@ -89,6 +89,37 @@ def test_listed_scores_write_into_out_only_at_listed_and_current_pages(fn):
         getattr(tk, fn)(*args, None, out)
 
 
+@pytest.mark.parametrize("variant", ["words", "bytes"])
+@pytest.mark.parametrize("listed", [False, True], ids=["all-pages", "listed"])
+def test_device_position_page_scores_inf(listed, variant):
+    """pos= (the captured step's write position) forces page (pos - 1) // S to +inf, wherever it is scored,
+    and changes nothing else; kernel and reference agree."""
+    q, kc, kmin, kmax, codes, valid, L, S, g = _filled(2, seed=5)
+    args = (q.half(), kc.half(), kmin.half(), kmax.half(), codes, valid, L, S, 0, 2, "max", 1.0)
+    P = -(-L // S)
+    cur = 9  # a complete page: its code estimate is finite without pos=
+    pages = None
+    if listed:
+        pages = _lists(2, 6, P, 9, g)
+        pages[0, 1, 0], pages[1, 4, 2] = cur, cur
+        pages[0, 2] = torch.where(pages[0, 2] == cur, -1, pages[0, 2])  # a head that does not list it
+    pos = torch.tensor(cur * S + 5)
+    want = tk.code_scores_ref(*args, pages)
+    at = want[..., cur].clone()
+    assert at.isfinite().any()
+    forced = torch.ones_like(at, dtype=torch.bool) if pages is None else (pages == cur).any(-1)
+    want[..., cur] = torch.where(forced, float("inf"), at)
+    for fn, kw in (("code_scores_ref", {}), ("code_scores", {"_variant": variant})):
+        got = getattr(tk, fn)(*args, pages, pos=pos, **kw)
+        fin = want.isfinite()
+        assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin]), fn
+        torch.testing.assert_close(got[fin], want[fin], atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="only mode='max'"):
+        tk.code_scores_ref(*args[:-2], "lse", 1.0, pages, pos=pos)
+    with pytest.raises(ValueError, match="one integer tensor"):
+        tk.code_scores(*args, pages, pos=torch.tensor([1.0]))
+
+
 def test_page_list_must_be_int32_per_query_head():
     q, kc, kmin, kmax, codes, valid, L, S, _ = _filled(2)
     with pytest.raises(ValueError, match="pages must be int32"):

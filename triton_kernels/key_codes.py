@@ -185,7 +185,7 @@ def _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, windo
 
 
 def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: int, window_start: int = 0,
-                    bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None):
+                    bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None, pos=None):
     """Page scores `[B, H_q, P]` fp32 (`P = ceil(seq_len / S)`) of one decode query from the key codes.
 
     q `[B, H_q, D]`; k_cache `[B, H_kv, C, D]`; kmin/kmax `[B, H_kv, C // S, D]`; codes from `encode_codes`
@@ -200,11 +200,21 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
     (optional, with `pages`): fp32 `[B, H_q, P]` written in place and returned instead of a fresh `-inf`
     tensor: only the listed pages' entries and the current page's are written, the rest is left as it is
     (e.g. `-inf` from `topk_pages(..., mask_rest=True)`).
+
+    `pos` (optional, `mode="max"`; one integer on q's device: the captured step's write position): page
+    `(pos - 1) // S`, whose codes are not written yet, scores `+inf` too (where it is scored: with `pages`,
+    when listed).
     """
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
+    _check_code_pos(pos, mode, q.device)
     if pages is not None:
-        return _listed_code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits,
-                                       mode, scale, _check_pages(pages, B, G * H), _check_out(out, B, G * H, P), P)
+        out = _listed_code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits,
+                                      mode, scale, _check_pages(pages, B, G * H), _check_out(out, B, G * H, P), P)
+        if pos is not None:
+            cur = torch.div(pos - 1, page_size, rounding_mode="floor").view(1, 1, 1).expand(B, G * H, 1)
+            listed = (pages == cur).any(-1, keepdim=True)
+            out.scatter_(-1, cur, torch.where(listed, float("inf"), out.gather(-1, cur)))
+        return out
     if out is not None:
         raise ValueError("out= is only for scores of listed pages (pages=...)")
     S, N = page_size, P * page_size
@@ -230,7 +240,18 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
         out[..., P - 1] = float("inf")
     else:
         out = torch.logsumexp(s * scale, -1)
+    if pos is not None:
+        out.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
     return out.reshape(B, H * G, P)
+
+
+def _check_code_pos(pos, mode, device):
+    if pos is None:
+        return
+    if mode != "max":
+        raise ValueError(f"pos= forces the current page to +inf, which only mode='max' scores mean; got {mode!r}")
+    if pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device:
+        raise ValueError(f"pos must be one integer tensor on {device}, got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
 
 
 def _check_pages(pages, B, Hq):
@@ -310,6 +331,14 @@ def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, strid
 
 
 @triton.jit
+def _force_pos(b_out, o_p, pos_ptr, PAGE: tl.constexpr, HAS_POS: tl.constexpr):
+    """+inf at the page of the captured step's last written token (read on the device), whose codes are unwritten."""
+    if HAS_POS:
+        b_out = tl.where(o_p == (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE, float("inf"), b_out)
+    return b_out
+
+
+@triton.jit
 def _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G: tl.constexpr):
     """(batch, query head, KV head, q row pointer, score row pointer) of a scoring program (axis 0)."""
     i_bq = tl.program_id(0).to(tl.int64)
@@ -332,7 +361,7 @@ def _block_pages(o_n, p_list, stride_nn, N_PAGES, P, HAS_PAGES: tl.constexpr):
 
 @triton.jit
 def _code_scores_kernel(
-    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr,
+    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr, pos_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_lb, stride_lh, stride_lp, stride_ld,
@@ -342,7 +371,7 @@ def _code_scores_kernel(
     stride_nb, stride_nh, stride_nn,
     H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, N_PAGES, ONE, scale,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BITS: tl.constexpr,
-    USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr,
+    USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     # One query head per program: the G heads of a KV group are neighbouring programs, so the codes they share
     # come from L2 after the first. (Looping over the heads in one program would hold G heads' accumulators, or
@@ -402,6 +431,7 @@ def _code_scores_kernel(
             b_out = tl.where(b_m > float("-inf"), b_safe + tl.log(tl.maximum(b_l, 1.0)), float("-inf"))
         else:
             b_out = tl.max(tl.where(m_tok, b_s, float("-inf")), axis=0)
+        b_out = _force_pos(b_out, o_p, pos_ptr, PAGE, HAS_POS)
         tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
 
 
@@ -423,7 +453,7 @@ def _fma_codes(acc, x, a, I0: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr,
 
 @triton.jit
 def _code_scores_words_kernel(
-    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr,
+    q_ptr, k_ptr, lo_ptr, hi_ptr, c_ptr, valid_ptr, out_ptr, pages_ptr, pos_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_lb, stride_lh, stride_lp, stride_ld,
@@ -433,7 +463,7 @@ def _code_scores_words_kernel(
     stride_nb, stride_nh, stride_nn,
     H_Q, P, SEQ_LEN, WINDOW_START, N_BLOCKS, N_PAGES, ONE, scale,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_U: tl.constexpr, BITS: tl.constexpr,
-    SEG: tl.constexpr, USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr, TOK: tl.constexpr,
+    SEG: tl.constexpr, USE_LSE: tl.constexpr, HAS_PAGES: tl.constexpr, TOK: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     # One query head x BLOCK_U units (TOK tokens of a complete page) a program (the G heads of a KV group are
     # neighbouring programs: their codes come from L2 after the first). Codes are read as int64, two 32-bit words
@@ -539,6 +569,7 @@ def _code_scores_words_kernel(
         if CH > 1:  # every unit of a page holds its id and mask: keep one a page
             o_p = tl.max(tl.reshape(o_p, [BLOCK_P, CH]), axis=1)
             m_p = tl.max(tl.reshape(m_p.to(tl.int32), [BLOCK_P, CH]), axis=1) != 0
+        b_out = _force_pos(b_out, o_p, pos_ptr, PAGE, HAS_POS)
         tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
 
 
@@ -562,8 +593,8 @@ def _words_ok(codes, D, bits):
 
 
 def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: int, window_start: int = 0,
-                bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None, *, _block_p=None,
-                _num_warps=None, _variant=None):
+                bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None, pos=None, *,
+                _block_p=None, _num_warps=None, _variant=None):
     """Triton twin of `code_scores_ref` (kmin and kmax must share strides).
 
     Programs per (batch x query head): one per BLOCK_P complete pages (listed pages with `pages`), plus one
@@ -573,6 +604,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
     """
     require_triton()
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
+    _check_code_pos(pos, mode, q.device)
     if D & (D - 1) or D < 16:
         raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16, got {D}")
     if kmin.stride() != kmax.stride():
@@ -592,7 +624,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
             out = torch.full((B, H * G, P), float("-inf"), dtype=torch.float32, device=q.device)
         pages = _check_pages(pages, B, H * G)
         n_pages, pages_args = pages.shape[-1], (pages, *pages.stride())
-    common = (q, k_cache, kmin, kmax, codes, valid, out, pages_args[0],
+    common = (q, k_cache, kmin, kmax, codes, valid, out, pages_args[0], pos if pos is not None else out,
               *q.stride(), *k_cache.stride(), *kmin.stride(), codes.stride(0), codes.stride(1), codes.stride(2),
               *valid.stride(), *out.stride(), *pages_args[1:])
     if variant == "words":
@@ -607,7 +639,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
         _code_scores_words_kernel[(B * H * G, n_blocks + 1)](
             *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
             G=G, D=D, PAGE=page_size, BLOCK_U=block_p * ch, BITS=bits, SEG=min(16 // bits, 8),
-            USE_LSE=mode == "lse", HAS_PAGES=pages is not None, TOK=tok, num_warps=num_warps,
+            USE_LSE=mode == "lse", HAS_PAGES=pages is not None, TOK=tok, HAS_POS=pos is not None, num_warps=num_warps,
         )
         return out
     block_p = _block_p or max(1, BLOCK_P * 16 // page_size)
@@ -616,6 +648,6 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
     _code_scores_kernel[(B * H * G, n_blocks + 1)](
         *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
         G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, USE_LSE=mode == "lse", HAS_PAGES=pages is not None,
-        num_warps=_num_warps or NUM_WARPS,
+        HAS_POS=pos is not None, num_warps=_num_warps or NUM_WARPS,
     )
     return out

@@ -52,6 +52,9 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
 # H200 among 32..128 tokens, 2..8 warps, 2..8 programs per SM (NOTES-kernels.md).
 BLOCK_N = 32
 NUM_WARPS = 4
+# Software-pipelining depth of the K/V tile loads: 3 beat 1, 2 and 4 on the H200 (2 with 64-token tiles won at
+# MHA and lost at GQA; benchmarks/kernels_round6/r6_tune_stages.json).
+NUM_STAGES = 3
 # Programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM latency.
 PROGRAMS_PER_SM = 4
 # With at most this many splits per row, the last split of each KV head to finish merges the partials (atomic
@@ -257,7 +260,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         FUSE_MERGE=fuse, BLOCK_S=block_s,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not fuse:
         _sparse_attn_merge_kernel[(B * H * G,)](
