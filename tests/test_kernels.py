@@ -266,6 +266,29 @@ def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch)
 
 
 @pytest.mark.parametrize("tile", [None, 256], ids=["one-tile", "tiled"])
+@pytest.mark.parametrize("B,R,P,k,group", [(1, 4, 700, 40, 4), (2, 6, 300, 20, 3), (2, 8, 17, 100, 8), (1, 2, 64, 5, 2)])
+def test_topk_union_in_two_launches_equals_one(B, R, P, k, group, tile, monkeypatch):
+    # Unions run as per-row thresholds + one union program per group (SPLIT_UNION); with heavy ties and -inf
+    # pages they give exactly the one-launch kernel's ids (both take the lowest ids among a row's ties).
+    from triton_kernels import topk as topk_mod
+
+    if tile:
+        monkeypatch.setattr(topk_mod, "MAX_TILE", tile)
+    s = random_scores(B, R, P, seed=P + k, ties=True, dead=0.3)
+    assert topk_mod.SPLIT_UNION
+    split = tk.topk_pages(s, k, group)
+    monkeypatch.setattr(topk_mod, "SPLIT_UNION", False)
+    one = tk.topk_pages(s, k, group)
+    assert torch.equal(split, one)
+    # Expected: each row's k best by a stable sort on (-score, id), -inf never, united over the group.
+    order = torch.sort(-s, dim=-1, stable=True).indices[..., :k]
+    chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, order, s.gather(-1, order) > float("-inf"))
+    chosen = chosen.view(B, R // group, group, P).any(2)
+    ids = torch.where(chosen, torch.arange(P), P + torch.arange(P)).sort(-1).values[..., :split.shape[-1]]
+    assert torch.equal(split.long(), torch.where(ids < P, ids, -1))
+
+
+@pytest.mark.parametrize("tile", [None, 256], ids=["one-tile", "tiled"])
 @pytest.mark.parametrize("B,R,P,k,group,ties", [(2, 3, 300, 40, 1, False), (1, 4, 700, 33, 4, False),
                                                  (2, 2, 1000, 300, 1, True), (1, 2, 20, 50, 1, False)])
 def test_topk_mask_rest_leaves_each_rows_own_choice(B, R, P, k, group, ties, tile, monkeypatch):

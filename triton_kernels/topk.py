@@ -47,6 +47,9 @@ MAX_TILE = 32768
 # warps by 1.2-3.8x and tied 8 warps at 2048 (benchmarks/kernels_round3/topk_log.txt).
 KEYS_PER_THREAD = 16
 MAX_WARPS = 8
+# Unions of group > 1 rows in two launches: each row's threshold by its own program (G times the programs of
+# one program per group), then one program per group writes the union. SPLIT_UNION = False: one launch.
+SPLIT_UNION = True
 BIG_TILE_WARPS = 16  # tiles over 16384 keys: 16 warps in one tile beat 8 warps over 4 tiles (58 vs 74 us)
 # -inf pages are never chosen; INT_MIN is no real key (it would be a NaN) and marks lanes past P.
 NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
@@ -86,6 +89,16 @@ def _topk_rows(
     MASK_REST: tl.constexpr,
 ):
     """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded to K_OUT at `p_out`."""
+    i_lo, i_need, b_key1 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE)
+    _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
+                GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
+
+
+@triton.jit
+def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr):
+    """Per row of the GROUP at `p_rows`: its KK-th largest key T and how many keys equal to T it takes (after
+    all keys above T); and, with SINGLE_TILE, the [GROUP_PAD, BLOCK_P] keys (else a placeholder)."""
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
 
@@ -99,6 +112,7 @@ def _topk_rows(
         i_max = tl.max(b_key1, axis=1)
         i_min = tl.min(tl.where(m_fin, b_key1, INT_MAX), axis=1)
     else:
+        b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)  # unused: the tiles are re-read
         n_fin = tl.zeros([GROUP_PAD], dtype=tl.int32)
         i_max = tl.zeros([GROUP_PAD], dtype=tl.int32) + INT_MIN
         i_min = tl.zeros([GROUP_PAD], dtype=tl.int32) + INT_MAX
@@ -154,8 +168,16 @@ def _topk_rows(
         for i_p0 in range(0, P, BLOCK_P):
             b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
             i_gt += tl.sum((b_key > i_lo[:, None]).to(tl.int32), axis=1)
-    i_need = KK - i_gt
+    return i_lo, KK - i_gt, b_key1
 
+
+@triton.jit
+def _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+                MASK_REST: tl.constexpr):
+    """Given each row's threshold T (`i_lo`) and ties to take (`i_need`): the union of the rows' picks."""
+    o_r = tl.arange(0, GROUP_PAD)
+    o_n = tl.arange(0, BLOCK_P)
     # Phase 2: per tile, each row picks keys above T plus its lowest-index ties at T; the tile's union over
     # the group is compacted (ascending by construction) after the ids already written.
     i_out = tl.zeros([], dtype=tl.int32)
@@ -200,6 +222,44 @@ def _topk_pages_kernel(
                stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
 
 
+@triton.jit
+def _topk_thresholds_kernel(
+    s_ptr, thr_ptr, need_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
+    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+):
+    """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group)."""
+    i_row = tl.program_id(0).to(tl.int64)
+    i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr, stride_sp,
+                                      P, KK, 1, 1, BLOCK_P, SINGLE_TILE)
+    o_1 = tl.arange(0, 1)
+    tl.store(thr_ptr + i_row + o_1, i_lo)
+    tl.store(need_ptr + i_row + o_1, i_need)
+
+
+@triton.jit
+def _topk_union_kernel(
+    s_ptr, thr_ptr, need_ptr, out_ptr,
+    stride_sb, stride_sr, stride_sp, stride_ob, stride_or, stride_ok,
+    R_OUT, P, K_OUT,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+):
+    """Split union, pass 2: one program per group unites its rows' picks given their thresholds."""
+    i_bg = tl.program_id(0).to(tl.int64)
+    i_b = i_bg // R_OUT
+    i_g = i_bg % R_OUT
+    p_rows = s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr
+    o_r = tl.arange(0, GROUP_PAD)
+    m_r = o_r < GROUP
+    i_lo = tl.load(thr_ptr + i_bg * GROUP + o_r, mask=m_r, other=INT_MAX)
+    i_need = tl.load(need_ptr + i_bg * GROUP + o_r, mask=m_r, other=0)
+    if SINGLE_TILE:
+        b_key1 = _load_keys(p_rows, o_r, tl.arange(0, BLOCK_P), stride_sr, stride_sp, GROUP, P)
+    else:
+        b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)
+    _pick_union(p_rows, out_ptr + i_b * stride_ob + i_g * stride_or, b_key1, i_lo, i_need, stride_sr, stride_sp,
+                stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False)
+
+
 def launch_config(P: int, group: int):
     """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
     g_pad = next_pow2(group)
@@ -225,6 +285,9 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, _num_
     require_triton()
     B, R, P, K_out = _check(scores, k, group)
     out = torch.empty(B, R // group, K_out, dtype=torch.int32, device=scores.device)
+    if group > 1 and SPLIT_UNION and not mask_rest and _num_warps is None and _block_p is None:
+        _split_union(scores, out, k, group)
+        return out
     block_p, warps, single = launch_config(P, group)
     if _block_p is not None:
         block_p, single = _block_p, _block_p >= P
@@ -237,6 +300,24 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, _num_
         num_warps=_num_warps or warps,
     )
     return out
+
+
+def _split_union(scores, out, k, group):
+    B, R, P = scores.shape
+    thr = torch.empty(B * R, dtype=torch.int32, device=scores.device)
+    need = torch.empty_like(thr)
+    block_p, warps, single = launch_config(P, 1)
+    _topk_thresholds_kernel[(B * R,)](
+        scores, thr, need, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
+        BLOCK_P=block_p, SINGLE_TILE=single, num_warps=warps,
+    )
+    block_p, warps, single = launch_config(P, group)
+    _topk_union_kernel[(B * (R // group),)](
+        scores, thr, need, out,
+        scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        R // group, P, out.shape[2],
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, num_warps=warps,
+    )
 
 
 # ------------------------------------------------------------------------------------------- top-p mask
