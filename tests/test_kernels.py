@@ -284,7 +284,8 @@ def test_topk_union_in_two_launches_equals_one(B, R, P, k, group, tile, monkeypa
     order = torch.sort(-s, dim=-1, stable=True).indices[..., :k]
     chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, order, s.gather(-1, order) > float("-inf"))
     chosen = chosen.view(B, R // group, group, P).any(2)
-    ids = torch.where(chosen, torch.arange(P), P + torch.arange(P)).sort(-1).values[..., :split.shape[-1]]
+    o_p = torch.arange(P, device=s.device)
+    ids = torch.where(chosen, o_p, P + o_p).sort(-1).values[..., :split.shape[-1]]
     assert torch.equal(split.long(), torch.where(ids < P, ids, -1))
 
 
