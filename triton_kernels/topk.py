@@ -280,7 +280,9 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, _num_
     Ties at the k-th score go to the lowest page ids. No torch.topk: one program per (b, group) finds the k-th
     largest score of each of its rows together, by a radix search on the fp32 bit pattern that starts at the
     bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
-    `_num_warps` / `_block_p` override the launch configuration (benchmarks only).
+    Unions (group > 1, `SPLIT_UNION`) take two launches instead: a program per row finds its threshold, then a
+    program per group writes the union (same ids). `_num_warps` / `_block_p` override the launch configuration
+    of the one-launch kernel (benchmarks only).
     """
     require_triton()
     B, R, P, K_out = _check(scores, k, group)
