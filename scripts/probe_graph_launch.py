@@ -9,7 +9,7 @@ For the decode graph that generate() replays, medians over 30 replays of:
             bench_e2e.py's "graph replay" reports: any launch latency the GPU waits through is inside),
   busy_ms   the same for a replay queued behind another one (the GPU is busy while the host launches it,
             so launch latency is hidden),
-and the graph's node count. idle_ms - busy_ms is the launch latency a token pays when the host waits for
+idle_ms - busy_ms is the launch latency a token pays when the host waits for
 the GPU every token, as generate() does.
 """
 import argparse
@@ -42,15 +42,6 @@ def main():
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                    **{cache_arg_name(model): cache})
     graph = cache.graph.graph
-    try:
-        import ctypes  # node count through the driver API (informative only)
-        cudart = ctypes.CDLL("libcudart.so")
-        n = ctypes.c_size_t(0)
-        cudart.cudaGraphGetNodes(ctypes.c_void_p(graph.raw_cuda_graph()), None, ctypes.byref(n))
-        nodes = n.value
-    except Exception as e:  # noqa: BLE001
-        nodes = f"unknown ({type(e).__name__})"
-
     def reset():
         for layer in cache.layers:
             layer.pos.fill_(a.length)  # rewrite the same slot: the cache never fills up
@@ -76,7 +67,7 @@ def main():
         torch.cuda.synchronize()
         busy.append(s2.elapsed_time(e2))
     med = statistics.median
-    print(f"{a.shape} L={a.length}: nodes {nodes}, host {med(host):.3f} ms, idle {med(idle):.3f} ms, "
+    print(f"{a.shape} L={a.length}: host {med(host):.3f} ms, idle {med(idle):.3f} ms, "
           f"busy {med(busy):.3f} ms, exposed launch {med(idle) - med(busy):.3f} ms")
 
 
