@@ -227,6 +227,9 @@ class QuestCache(Cache):
         self._step = _Step()
         self.selection_hooks: list = []
         self.graph = None
+        # Which stop check generate() ran over this cache: "deferred" (one step late, the host never waits)
+        # or "per-token"; None until a generate() call (QuestConfig.defer_stop_check).
+        self.stop_check: str | None = None
         if config.cuda_graph == "auto":  # a cache built by hand: static when given a length
             from .selectors import captured_policies
 

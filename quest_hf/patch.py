@@ -38,6 +38,45 @@ AttentionInterface.register(NAME, quest_attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # without it padded batches get no mask at all
 
 
+# Devices where a QuestCache asks for the deferred stop check (transformers' check needs device events: CPU has none).
+DEFER_DEVICES = ("cuda",)
+
+
+def _allow_deferred_stop_on_cuda() -> bool:
+    """Let transformers' `DeferredStopCheck` run on CUDA for a QuestCache whose config asks for it.
+
+    transformers (5.17 to 5.24 at least) defers generate()'s stop check by one step only on "mps"; elsewhere
+    the host waits for the GPU after every token. Every other cache gets transformers' own answer.
+    Returns False where this transformers has no such check (generate() then checks after every token).
+    """
+    from transformers.generation import utils as generation_utils
+
+    cls = getattr(generation_utils, "DeferredStopCheck", None)
+    original = getattr(cls, "is_supported", None)
+    if original is None:
+        return False
+    if getattr(original, "_quest_hf", False):
+        return True
+
+    @functools.wraps(original)
+    def is_supported(device, cache, cache_is_returned, *args, **kwargs):
+        supported = original(device, cache, cache_is_returned, *args, **kwargs)
+        if isinstance(cache, QuestCache):
+            is_assistant = kwargs.get("is_assistant", args[0] if args else False)
+            if (not supported and cache.quest_config.defer_stop_check and device.type in DEFER_DEVICES
+                    and not is_assistant):
+                supported = cache.is_croppable or not cache_is_returned  # transformers' own condition
+            cache.stop_check = "deferred" if supported else "per-token"
+        return supported
+
+    is_supported._quest_hf = True
+    cls.is_supported = staticmethod(is_supported)
+    return True
+
+
+DEFERRED_STOP_AVAILABLE = _allow_deferred_stop_on_cuda()
+
+
 @dataclass
 class _PatchState:
     config: QuestConfig
@@ -217,6 +256,9 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     _wrap_forward(model, state)
     _set_compiled(model, state)
     logger.info(f"quest-hf: patched {model_type} ({state.num_layers} layers) with {config}")
+    if config.defer_stop_check and not DEFERRED_STOP_AVAILABLE:
+        logger.warning("quest-hf: this transformers has no DeferredStopCheck; generate() waits for the GPU after "
+                       "every token (QuestConfig(defer_stop_check=False) silences this)")
     return model
 
 

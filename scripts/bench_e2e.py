@@ -4,12 +4,16 @@
 Random-weight models built from configs (speed does not depend on the values): Llama-2-7B shape (MHA),
 Llama-3-8B shape (GQA, 8 KV heads), and a tiny one for a CPU smoke run (`--shapes tiny`). For each
 prompt length and batch: prefill time, per-token decode latency and tokens/s over `--new-tokens`
-(from two generate calls of 1 and N new tokens, after warm-up), and peak memory, for
+(a streamer's timestamps in one generate call after a warm-up one), and peak memory, for
   dense       HF DynamicCache + SDPA (generate's default)
   static      HF static cache + generate's automatic compile (CUDA graphs)
+  static_defer  the same with transformers' DeferredStopCheck forced on CUDA (it runs only on mps): what a
+              one-step-late stop check alone gives HF's dense path
   quest       patch_model(budget) (growing QuestCache, Triton kernels on CUDA)
   quest_graph patch_model(budget, cuda_graph=True) (static QuestCache, decode step replayed as a CUDA graph)
   quest_graph_c  the same with compile_decode=True (norms and MLPs through torch.compile, then captured)
+  quest_graph_c_sync  the same with defer_stop_check=False (transformers' per-token stop check)
+Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop check is deferred.
 A quest method may name another policy and page size: `quest_graph_c:qcode1_2s/32`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
 
@@ -21,6 +25,7 @@ The greedy tokens of the captured paths are compared with those of quest (same b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -47,6 +52,9 @@ SHAPES = {
 }
 
 
+METHODS = ("dense", "static", "static_defer", "quest", "quest_graph", "quest_graph_c", "quest_graph_c_sync")
+
+
 def build(shape: str, dtype, device, max_len: int):
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_len, 4096), attn_implementation="sdpa",
                       eos_token_id=None, pad_token_id=0)
@@ -57,33 +65,55 @@ def build(shape: str, dtype, device, max_len: int):
 
 
 class Clock:
-    """A generate() streamer that timestamps the prompt and every new token (device synchronised)."""
+    """A generate() streamer that timestamps the prompt and every new token.
+
+    It does not synchronise: generate() hands it tokens already copied to the host (`.cpu()` after the step,
+    or, with the deferred stop check, after waiting on the step's event), so the timestamps are spaced by
+    the per-token time the user sees; a sync here would undo the deferred check's overlap."""
 
     def __init__(self, device):
         self.device, self.t = device, []
 
     def put(self, value):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         self.t.append(time.perf_counter())
 
     def end(self):
         pass
 
 
-def measure(model, ids, new_tokens, device, **kw):
-    """(prefill s, median per-token decode s, peak bytes, new tokens): one warm-up call (compiles the static
-    path), then one timed call of the same shapes; per-token times come from the streamer's timestamps."""
+def measure(model, ids, new_tokens, device, deferred: bool, **kw):
+    """(prefill s, median and mean per-token decode s, peak bytes, new tokens): one warm-up call (compiles the
+    static path), then one timed call of the same shapes; per-token times come from the streamer's timestamps.
+    With a deferred stop check the first token reaches the streamer one step late: one step is taken off."""
     run = lambda clock: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,  # noqa
                                        min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kw)
     run(Clock(device))
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
     out = run(clock)
     steps = sorted(b - a for a, b in zip(clock.t[1:], clock.t[2:]))
+    median, mean = steps[len(steps) // 2], sum(steps) / len(steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return clock.t[1] - clock.t[0], steps[len(steps) // 2], peak, out[:, ids.shape[1]:]
+    prefill = clock.t[1] - clock.t[0] - (median if deferred else 0.0)
+    return prefill, median, mean, peak, out[:, ids.shape[1]:]
+
+
+@contextlib.contextmanager
+def hf_deferred_stop(enabled: bool):
+    """Force transformers' DeferredStopCheck on CUDA for any cache (transformers' own condition otherwise)."""
+    from transformers.generation.utils import DeferredStopCheck
+
+    original = DeferredStopCheck.__dict__["is_supported"]
+    if enabled:
+        DeferredStopCheck.is_supported = staticmethod(
+            lambda device, cache, cache_is_returned, is_assistant=False: device.type == "cuda" and not is_assistant
+            and (cache is None or cache.is_croppable or not cache_is_returned))
+    try:
+        yield
+    finally:
+        DeferredStopCheck.is_supported = original
 
 
 def replay_ms(model, ids, new_tokens, device) -> float:
@@ -115,7 +145,7 @@ def main(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1])
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--methods", nargs="+", default=["dense", "static", "quest", "quest_graph", "quest_graph_c"],
-                   help="dense, static, quest, quest_graph, quest_graph_c; a quest method may name a policy and page "
+                   help=f"{', '.join(METHODS)}; a quest method may name a policy and page "
                         "size: quest_graph_c:qcode1_2s/32 (default policy quest, page 16)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -124,7 +154,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     for m in args.methods:
         base, _, policy = m.partition(":")
-        if base not in ("dense", "static", "quest", "quest_graph", "quest_graph_c"):
+        if base not in METHODS:
             p.error(f"unknown method {m!r}")
         if policy and not base.startswith("quest"):
             p.error(f"{m!r}: only quest methods take a policy")
@@ -143,19 +173,24 @@ def main(argv=None):
                     method, _, policy = full.partition(":")
                     policy, _, page = policy.partition("/")
                     kw = {}
-                    if method == "static":
+                    if method in ("static", "static_defer"):
                         kw = dict(cache_implementation="static")
                     elif method == "dense":
                         kw = dict(disable_compile=True)
                     graph = method.startswith("quest_graph")
                     if method.startswith("quest"):
-                        patch_model(model, budget=budget, cuda_graph=graph, compile_decode=method == "quest_graph_c",
+                        patch_model(model, budget=budget, cuda_graph=graph,
+                                    compile_decode=method in ("quest_graph_c", "quest_graph_c_sync"),
+                                    defer_stop_check=method != "quest_graph_c_sync",
                                     policy=policy or "quest", page_size=int(page or 16))
+                    deferred = device.type == "cuda" and (
+                        method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
-                        prefill, step, peak, out = measure(model, ids, args.new_tokens, device, **kw)
+                        with hf_deferred_stop(method == "static_defer"):
+                            prefill, step, mean, peak, out = measure(model, ids, args.new_tokens, device, deferred, **kw)
                         err = None
                     except Exception as e:  # a method that fails is reported, not hidden
-                        prefill = step = peak = float("nan")
+                        prefill = step = mean = peak = float("nan")
                         out, err = None, f"{type(e).__name__}: {e}"[:300]
                     tokens[(full, budget)] = out
                     same = None
@@ -169,10 +204,11 @@ def main(argv=None):
                         if not same and out.shape == ref.shape:  # the first new token that differs
                             first_diff = int((out != ref).any(0).nonzero()[0])
                     row = dict(shape=shape, length=L, batch=B, method=full, budget=budget, prefill_s=prefill,
-                               step_ms=step * 1e3, tokens_per_s=B / step if step == step else float("nan"),
+                               step_ms=step * 1e3, step_mean_ms=mean * 1e3, stop_check_deferred=deferred,
+                               tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
                                graph_replay_ms=replay, error=err)
-                    if method == "quest_graph_c":  # proof that the compiled modules ran, and how often dynamo compiled
+                    if method in ("quest_graph_c", "quest_graph_c_sync"):  # proof that the compiled modules ran, and how often dynamo compiled
                         from torch._dynamo.utils import counters
                         row["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
                         wrapped = model._quest_state.compiled_modules
@@ -197,16 +233,17 @@ def write(args, rows) -> str:
     device = torch.device(args.device)
     best_dense = {}
     for r in rows:
-        if r["method"] in ("dense", "static") and r["step_ms"] == r["step_ms"]:
+        if r["method"] in ("dense", "static") and r["step_ms"] == r["step_ms"]:  # HF as shipped
             k = (r["shape"], r["length"], r["batch"])
             best_dense[k] = min(best_dense.get(k, float("inf")), r["step_ms"])
-    lines = ["| shape | L | B | method | budget | prefill s | ms/token | tok/s | x fastest dense | peak GiB | tokens = quest | GPU ms/step (replay) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | L | B | method | budget | prefill s | ms/token | mean ms | tok/s | x fastest dense HF | peak GiB | tokens = quest | GPU ms/step (replay) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = best_dense.get((r["shape"], r["length"], r["batch"]))
         ratio = ref / r["step_ms"] if ref and r["step_ms"] == r["step_ms"] else float("nan")
         lines.append(f"| {r['shape']} | {r['length']} | {r['batch']} | {r['method']} | {r['budget'] or '-'} | "
-                     f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
+                     f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {r.get('step_mean_ms', float('nan')):.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {ratio:.2f} | "
                      f"{r['peak_gib']:.1f} | {'' if r['same_as_quest'] is None else r['same_as_quest']} | "
                      f"{'' if r['graph_replay_ms'] is None else format(r['graph_replay_ms'], '.2f')} |"
                      + (f" {r['error']}" if r["error"] else ""))

@@ -4,7 +4,8 @@
 For a small random GQA Llama and a MHA one, fp16 and bf16, batch 2 left-padded, budget small enough that
 selection matters: greedy tokens and logits of backend="triton" vs backend="torch", and of
 cuda_graph=True vs the growing cache, compile_decode (the default) vs eager norms/MLPs/rotary; which
-backend ran and how many graphs were captured/replayed.
+backend ran and how many graphs were captured/replayed; and a generation stopped by EOS mid-way with the
+deferred stop check (the default on CUDA) vs transformers' per-token check: same tokens, same cache length.
 
     PYTHONPATH=. python scripts/gpu_check.py                                   # quest, page 16
     PYTHONPATH=. python scripts/gpu_check.py --policy qcode1_2s --page-size 32 --out gpu_check_qcode1_2s.json
@@ -40,6 +41,26 @@ def gen(model, ids, mask, n=24):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.scores).float(), out.past_key_values
+
+
+def stop_case(model, ids, mask, **kw):
+    """EOS mid-way, one row: the deferred check (one extra forward, undone) against the per-token check."""
+    ids, mask = ids[:1], mask[:1]
+    patch_model(model, **kw)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    stop = next((i for i in range(4, 24) if free[i] not in free[:i]), None)
+    res = {}
+    for defer in (False, True):
+        patch_model(model, defer_stop_check=defer, **kw)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=free[stop],
+                             pad_token_id=0, return_dict_in_generate=True)
+        cache = out.past_key_values
+        res[defer] = (out.sequences, cache.get_seq_length(), cache.stop_check)
+    unpatch_model(model)
+    return dict(stop_check=[res[False][2], res[True][2]], stopped_at=stop,
+                stopped_early=res[True][0].shape[1] == ids.shape[1] + stop + 1,
+                tokens_deferred_eq_per_token=bool(torch.equal(res[True][0], res[False][0])),
+                cache_len_deferred_eq_per_token=res[True][1] == res[False][1])
 
 
 def main(argv=None):
@@ -91,7 +112,9 @@ def main(argv=None):
                        first_decode_logit_diff_graph_triton=float((res["triton_graph"][1][1] - res["triton"][1][1])
                                                                 .abs().max()),
                        graph_captures=res["triton_graph"][2].graph.captures,
-                       graph_replays=res["triton_graph"][2].graph.replays)
+                       graph_replays=res["triton_graph"][2].graph.replays,
+                       eos_stop=stop_case(model, ids, mask, budget=128, policy=args.policy,
+                                          page_size=args.page_size, backend="triton", cuda_graph=True))
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path(os.environ.get("OUT", "benchmarks")) / args.out
