@@ -6,8 +6,8 @@
 """
 from .cache import QuestCache, QuestLayer
 from .config import QuestConfig
-from .patch import SUPPORTED_MODEL_TYPES, patch_model, patched, unpatch_model
+from .patch import SUPPORTED_MODEL_TYPES, patch_model, patched, release_cache, unpatch_model
 
-__all__ = ["patch_model", "unpatch_model", "patched", "QuestConfig", "QuestCache", "QuestLayer",
+__all__ = ["patch_model", "unpatch_model", "patched", "release_cache", "QuestConfig", "QuestCache", "QuestLayer",
            "SUPPORTED_MODEL_TYPES"]
 __version__ = "0.1.0"

@@ -230,6 +230,8 @@ class QuestCache(Cache):
         # Which stop check generate() ran over this cache: "deferred" (one step late, the host never waits)
         # or "per-token"; None until a generate() call (QuestConfig.defer_stop_check).
         self.stop_check: str | None = None
+        # True when generate() took this cache (and its captured graph) over from its previous call, reset.
+        self.reused = False
         if config.cuda_graph == "auto":  # a cache built by hand: static when given a length
             from .selectors import captured_policies
 

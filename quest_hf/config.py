@@ -25,8 +25,12 @@ class QuestConfig:
         cuda_graph: `"auto"` (default): `generate()` on a CUDA model allocates the cache once for prompt +
             new tokens and replays each decode step as a captured CUDA graph (removes the per-step launch
             cost of ~150 kernels), except with beam search or sliding-window layers, which keep the
-            growing cache. `True`: always (refusing what it cannot do; a CPU model runs the same
-            fixed-shape step uncaptured). `False`: never. Policies it runs: quest and the fixed-budget code
+            growing cache. The model keeps that cache and its graph after the call (as HF keeps its static
+            cache): a later call with the same settings, batch size and a capacity within 1/8 above its
+            need resets and replays it from the first decode step; a cache returned to the caller
+            (`return_dict_in_generate=True`) is not kept; `quest_hf.release_cache(model)` frees it.
+            `True`: always (refusing what it cannot do; a CPU model runs the same fixed-shape step
+            uncaptured). `False`: never. Policies it runs: quest and the fixed-budget code
             selectors (qcode, qcode1, qcode2s, qcode1_2s); the others keep the growing cache.
         compile_decode: `True` (default): one-token CUDA forwards run the model's norms, MLPs and
             rotary embedding through `torch.compile` (fusing HF's elementwise code, as HF's compiled

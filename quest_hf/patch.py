@@ -88,6 +88,7 @@ class _PatchState:
     cache: QuestCache | None = None  # the cache of the forward in flight
     shadowed: dict = field(default_factory=dict)  # instance attributes we replaced (accelerate sets `forward`)
     compiled_modules: list = field(default_factory=list)  # norms/MLPs given a decode-only compiled forward
+    kept: QuestCache | None = None  # the last captured-decode cache, for the next generate() of the same shapes
 
 
 def _set_instance_attr(model, state: _PatchState, name: str, value):
@@ -173,6 +174,28 @@ def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
     return config
 
 
+# A kept captured-decode cache serves a later generate() whose capacity it covers with at most this much to spare
+# (every page of the capacity is scored each step, and the dense layers read all of it).
+KEEP_SLACK = 1 / 8
+
+
+def _kept_cache(model, state: _PatchState, config: QuestConfig, length: int, batch: int) -> QuestCache | None:
+    """The last generate()'s captured-decode cache, reset, if this call has the same settings and shapes:
+    the call then replays the captured graph from its first decode step (no eager step, no capture)."""
+    cache, state.kept = state.kept, None  # taken: a call that fails leaves nothing half-used behind
+    if cache is None or cache.quest_config != config:
+        return None
+    layer = cache.layers[0]
+    need = -(-length // config.page_size) * config.page_size
+    param = next(model.parameters())
+    if not (need <= layer.max_length <= need * (1 + KEEP_SLACK) and layer.is_initialized
+            and layer.keys.shape[0] == batch and layer.dtype == param.dtype and layer.device == param.device):
+        return None
+    cache.reset()
+    cache.stop_check = None
+    return cache
+
+
 def _wrap_generate(model, state: _PatchState):
     original = model.generate
 
@@ -180,11 +203,24 @@ def _wrap_generate(model, state: _PatchState):
     def generate(*args, **kwargs):
         gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
         use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None and use_cache is not False:
-            config = _generate_config(model, state, gen_cfg, kwargs)
-            length = _static_length(model, args, kwargs) if config.cuda_graph else None
-            kwargs[state.cache_arg] = QuestCache(config, state.num_layers, length)
-        return original(*args, **kwargs)
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or use_cache is False:
+            return original(*args, **kwargs)
+        config = _generate_config(model, state, gen_cfg, kwargs)
+        if not config.cuda_graph:
+            kwargs[state.cache_arg] = QuestCache(config, state.num_layers)
+            return original(*args, **kwargs)
+        length = _static_length(model, args, kwargs)
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        cache = _kept_cache(model, state, config, length, ids.shape[0])
+        reused = cache is not None
+        cache = cache or QuestCache(config, state.num_layers, length)
+        cache.reused = reused
+        kwargs[state.cache_arg] = cache
+        out = original(*args, **kwargs)
+        returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
+        if not returned:  # a cache handed to the caller is theirs: never reset under them
+            state.kept = cache
+        return out
 
     _set_instance_attr(model, state, "generate", generate)
 
@@ -228,6 +264,7 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     state = getattr(model, "_quest_state", None)
     if state is not None:
         state.config = config
+        state.kept = None
         _set_compiled(model, state)
         logger.info(f"quest-hf: re-configured {model_type} with {config}")
         return model
@@ -276,6 +313,7 @@ def unpatch_model(model):
     state = model.__dict__.pop("_quest_state", None)
     if state is None:
         return model
+    state.kept = None
     restore(state.compiled_modules)
     for h in state.handles:
         h.remove()
@@ -288,6 +326,15 @@ def unpatch_model(model):
         else:
             setattr(model, name, previous)
     model.set_attn_implementation(state.original_attn)
+    return model
+
+
+def release_cache(model):
+    """Free the cache that a patched model keeps from its last captured-decode `generate()` (see
+    `QuestConfig.cuda_graph`); the next call allocates and captures anew. Returns `model`."""
+    state = getattr(model, "_quest_state", None)
+    if state is not None:
+        state.kept = None
     return model
 
 

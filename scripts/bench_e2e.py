@@ -82,7 +82,7 @@ class Clock:
 
 
 def measure(model, ids, new_tokens, device, deferred: bool, **kw):
-    """(prefill s, median and mean per-token decode s, peak bytes, new tokens): one warm-up call (compiles the
+    """(prefill s, median and mean per-token decode s, first 4 intervals s, peak bytes, new tokens): one warm-up call (compiles the
     static path), then one timed call of the same shapes; per-token times come from the streamer's timestamps.
     With a deferred stop check the first token reaches the streamer one step late: one step is taken off."""
     run = lambda clock: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,  # noqa
@@ -93,11 +93,13 @@ def measure(model, ids, new_tokens, device, deferred: bool, **kw):
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
     out = run(clock)
-    steps = sorted(b - a for a, b in zip(clock.t[1:], clock.t[2:]))
+    intervals = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]
+    steps = sorted(intervals)
     median, mean = steps[len(steps) // 2], sum(steps) / len(steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     prefill = clock.t[1] - clock.t[0] - (median if deferred else 0.0)
-    return prefill, median, mean, peak, out[:, ids.shape[1]:]
+    # The first intervals show per-call costs (a captured path's eager first step and its capture).
+    return prefill, median, mean, intervals[:4], peak, out[:, ids.shape[1]:]
 
 
 @contextlib.contextmanager
@@ -187,10 +189,11 @@ def main(argv=None):
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
                         with hf_deferred_stop(method == "static_defer"):
-                            prefill, step, mean, peak, out = measure(model, ids, args.new_tokens, device, deferred, **kw)
+                            prefill, step, mean, first, peak, out = measure(model, ids, args.new_tokens, device, deferred, **kw)
                         err = None
                     except Exception as e:  # a method that fails is reported, not hidden
                         prefill = step = mean = peak = float("nan")
+                        first = []
                         out, err = None, f"{type(e).__name__}: {e}"[:300]
                     tokens[(full, budget)] = out
                     same = None
@@ -205,6 +208,7 @@ def main(argv=None):
                             first_diff = int((out != ref).any(0).nonzero()[0])
                     row = dict(shape=shape, length=L, batch=B, method=full, budget=budget, prefill_s=prefill,
                                step_ms=step * 1e3, step_mean_ms=mean * 1e3, stop_check_deferred=deferred,
+                               first_steps_ms=[round(t * 1e3, 2) for t in first],
                                tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
                                graph_replay_ms=replay, error=err)

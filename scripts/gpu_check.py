@@ -5,7 +5,8 @@ For a small random GQA Llama and a MHA one, fp16 and bf16, batch 2 left-padded, 
 selection matters: greedy tokens and logits of backend="triton" vs backend="torch", and of
 cuda_graph=True vs the growing cache, compile_decode (the default) vs eager norms/MLPs/rotary; which
 backend ran and how many graphs were captured/replayed; and a generation stopped by EOS mid-way with the
-deferred stop check (the default on CUDA) vs transformers' per-token check: same tokens, same cache length.
+deferred stop check (the default on CUDA) vs transformers' per-token check: same tokens, same cache length;
+a second generate() of the same shapes over the kept cache and graph vs a fresh cache: same tokens.
 
     PYTHONPATH=. python scripts/gpu_check.py                                   # quest, page 16
     PYTHONPATH=. python scripts/gpu_check.py --policy qcode1_2s --page-size 32 --out gpu_check_qcode1_2s.json
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import quest_hf.static  # noqa: E402
-from quest_hf import patch_model, unpatch_model  # noqa: E402
+from quest_hf import patch_model, release_cache, unpatch_model  # noqa: E402
 
 
 def model_of(heads, kv_heads, dtype):
@@ -48,7 +49,9 @@ def stop_case(model, ids, mask, **kw):
     ids, mask = ids[:1], mask[:1]
     patch_model(model, **kw)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
-    stop = next((i for i in range(4, 24) if free[i] not in free[:i]), None)
+    # The last token that is new when it appears (random tiny models fall into short loops): stopping there
+    # leaves at least one step for the deferred check to run past and undo.
+    stop = max(i for i in range(1, 24) if free[i] not in free[:i])
     res = {}
     for defer in (False, True):
         patch_model(model, defer_stop_check=defer, **kw)
@@ -61,6 +64,23 @@ def stop_case(model, ids, mask, **kw):
                 stopped_early=res[True][0].shape[1] == ids.shape[1] + stop + 1,
                 tokens_deferred_eq_per_token=bool(torch.equal(res[True][0], res[False][0])),
                 cache_len_deferred_eq_per_token=res[True][1] == res[False][1])
+
+
+def reuse_case(model, ids, mask, **kw):
+    """A second generate() of the same shapes replays the first one's kept cache and graph (no new capture);
+    its tokens equal a fresh cache's."""
+    patch_model(model, **kw)
+    run = lambda x: model.generate(x, attention_mask=mask, max_new_tokens=24, do_sample=False)  # noqa: E731
+    run(ids)
+    kept = model._quest_state.kept
+    other = torch.roll(ids, 7, dims=1) * mask  # other tokens, same padding
+    second = run(other)
+    reused = model._quest_state.kept is kept and kept.reused
+    captures = kept.graph.captures
+    release_cache(model)
+    fresh = run(other)
+    unpatch_model(model)
+    return dict(reused=reused, captures_after_reuse=captures, tokens_reused_eq_fresh=bool(torch.equal(second, fresh)))
 
 
 def main(argv=None):
@@ -113,6 +133,8 @@ def main(argv=None):
                                                                 .abs().max()),
                        graph_captures=res["triton_graph"][2].graph.captures,
                        graph_replays=res["triton_graph"][2].graph.replays,
+                       reuse=reuse_case(model, ids, mask, budget=128, policy=args.policy,
+                                        page_size=args.page_size, backend="triton", cuda_graph=True),
                        eos_stop=stop_case(model, ids, mask, budget=128, policy=args.policy,
                                           page_size=args.page_size, backend="triton", cuda_graph=True))
             rows.append(row)

@@ -79,14 +79,14 @@ class Probe:
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.ids = torch.rand(H, P, device="cuda", generator=g).argsort(1)[:, :K].sort(1).values.int().contiguous()
         self.meta = torch.cat([self.kmin.flatten(), self.kmax.flatten()])  # the score stage's bytes, contiguous
-        self.flag = torch.zeros(1024, device="cuda")
+        self.flag = torch.zeros(4096, device="cuda")  # one partial per program (<= 8 per SM) + the boundary's
         self.H, self.L, self.D, self.K = H, L, D, K
 
     def read_meta(self, programs, warps, block):
         _read_kernel[(programs,)](self.meta, self.flag, self.meta.numel(), BLOCK=block, num_warps=warps)
 
     def boundary(self):
-        _boundary_kernel[(1,)](self.flag, self.flag[512:])
+        _boundary_kernel[(1,)](self.flag, self.flag[4095:])
 
     def gather(self, splits, block_n, warps):
         per = triton.cdiv(self.K, splits)
@@ -129,6 +129,7 @@ def main(argv=None):
         probes = [Probe(H, L, D, args.budget, seed) for seed in range(3)]  # rotated: what one replay reads > L2
         meta_bytes = probes[0].meta.numel() * 2
         kv_bytes = 2 * H * args.budget * D * 2
+        assert 8 * sms < 4095, "flag buffer too small for this GPU"
         read = {(n, w, b): timed(probes, lambda p, n=n, w=w, b=b: (lambda: p.read_meta(n, w, b)))
                 for n in (sms, 2 * sms, 4 * sms, 8 * sms) for w in (4, 8) for b in (1024, 4096)}
         best_read = min(read, key=read.get)

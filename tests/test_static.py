@@ -190,3 +190,45 @@ def test_patched_context_puts_the_previous_compile_setting_back():
         assert model._quest_state.compiled_modules
     assert not model._quest_state.compiled_modules and "forward" not in model.model.norm.__dict__
     unpatch_model(model)
+
+
+def test_generate_keeps_its_static_cache_for_the_next_call_of_the_same_shapes(single_thread):
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    ids2, mask2 = left_padded_batch(lengths=(64, 90), seed=2)  # same width, other tokens and padding
+    patch_model(model, budget=32, cuda_graph=True)
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    kept = model._quest_state.kept
+    assert isinstance(kept, QuestCache) and not kept.reused
+    # Same settings and batch, capacity 80 + 17 -> the same 112 slots: the kept cache is reset and reused. The
+    # first call filled slots up to 100; this one ends at 95, so page 6 would keep stale bounds if not reset.
+    ids2, mask2 = ids2[:, 10:], mask2[:, 10:]
+    out = model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False)
+    assert model._quest_state.kept is kept and kept.reused
+    patch_model(model, budget=32, cuda_graph=True)  # re-configuring drops it: the reference starts fresh
+    assert model._quest_state.kept is None
+    ref = model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False)
+    assert torch.equal(out, ref)  # nothing of the first call's prompt leaked into the second
+    fresh = model._quest_state.kept
+    assert fresh is not kept and not fresh.reused
+    for a, b in zip(kept.layers, fresh.layers):  # and the state is the fresh cache's, stale slots included
+        n = b.seq_len
+        assert a.seq_len == n and int(a.pos) == int(b.pos) == n and torch.equal(a.keys[:, :, :n], b.keys[:, :, :n])
+        assert torch.equal(a.kmin, b.kmin) and torch.equal(a.kmax, b.kmax) and torch.equal(a.valid, b.valid)
+    # A capacity it does not cover, or one it covers with more than 1/8 to spare: a new cache.
+    model.generate(ids2, attention_mask=mask2, max_new_tokens=40, do_sample=False)
+    assert not model._quest_state.kept.reused
+    model.generate(ids2[:, 40:], attention_mask=mask2[:, 40:], max_new_tokens=17, do_sample=False)
+    assert not model._quest_state.kept.reused
+    # A cache handed to the caller is never kept (the next call would reset it under them).
+    out = model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False, return_dict_in_generate=True)
+    assert model._quest_state.kept is None
+    model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False)
+    assert model._quest_state.kept is not out.past_key_values
+    from quest_hf import release_cache, unpatch_model
+
+    assert release_cache(model)._quest_state.kept is None
+    model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False)
+    state = model._quest_state
+    unpatch_model(model)
+    assert state.kept is None
