@@ -12,6 +12,7 @@ and compares them with the whole Quest step (`score_pages` + `topk_pages` + `spa
 with the time that the kernels issue's ratio targets need (SDPA / target).
 
     PYTHONPATH=. python scripts/probe_floor.py --lengths 32768 131072
+    PYTHONPATH=. python scripts/probe_floor.py --shape llama3-8b --lengths 32768 --targets 4 --mode max
 """
 from __future__ import annotations
 
@@ -119,9 +120,13 @@ def main(argv=None):
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--targets", type=float, nargs="+", default=[7.5, 11.0],
                     help="the kernels issue's MHA B=1 ratio targets, one per length")
+    ap.add_argument("--shape", default="llama2-7b", choices=["llama2-7b", "llama3-8b"],
+                    help="layer shape: 32 query heads and 32 (MHA) or 8 (GQA) KV heads, head_dim 128")
+    ap.add_argument("--mode", default="union", choices=["union", "max"],
+                    help="the Quest step timed beside the probes (max: one choice per KV head, the probes' bytes)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks"), "probe_floor.json"))
     args = ap.parse_args(argv)
-    H, D = 32, 128  # Llama-2-7B layer
+    Hq, H, D = 32, 32 if args.shape == "llama2-7b" else 8, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth()
     rows = []
@@ -147,13 +152,13 @@ def main(argv=None):
 
         chain3 = timed(probes, chain)
         steps = [Step((p.kc, p.vc, p.kmin, p.kmax, p.valid),
-                      torch.randn(1, H, D, device="cuda", dtype=torch.float16), args.budget // PAGE, "union")
+                      torch.randn(1, Hq, D, device="cuda", dtype=torch.float16), args.budget // PAGE, args.mode)
                  for p in probes]
         quest = timed(steps, lambda s: s.full)
-        q = torch.randn(1, H, 1, D, device="cuda", dtype=torch.float16)
+        q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.float16)
         sdpa = timed(probes, lambda p: (lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, p.kc, p.vc)))
-        row = dict(length=L, budget=args.budget, meta_MB=meta_bytes / 1e6, kv_MB=kv_bytes / 1e6,
+            q, p.kc, p.vc, enable_gqa=Hq != H)))
+        row = dict(shape=args.shape, mode=args.mode, length=L, budget=args.budget, meta_MB=meta_bytes / 1e6, kv_MB=kv_bytes / 1e6,
                    copy_GBps=bw / 1e9, byte_limit_us=(meta_bytes + kv_bytes) / bw * 1e6,
                    read_meta_us=read[best_read], read_meta_setting=list(best_read),
                    read_meta_GBps=meta_bytes / read[best_read] / 1e3,
@@ -172,7 +177,7 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = ["| L | byte limit us | read meta us (GB/s) | gather K/V us (GB/s) | boundary us | chain3 us | Quest step us "
+    lines = [f"{args.shape}, Quest step in {args.mode} mode", "", "| L | byte limit us | read meta us (GB/s) | gather K/V us (GB/s) | boundary us | chain3 us | Quest step us "
              "| SDPA us | target us | x chain3 | x Quest |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['length']} | {r['byte_limit_us']:.1f} | {r['read_meta_us']:.1f} ({r['read_meta_GBps']:.0f}) | "
@@ -180,7 +185,7 @@ def main(argv=None):
                      f"{r['quest_step_us']:.1f} | {r['sdpa_us']:.1f} | {r['target_us']:.1f} | {r['x_chain3']:.2f} | "
                      f"{r['x_quest']:.2f} |")
     md = "\n".join(lines)
-    out.with_suffix(".md").write_text("# Zero-compute floor of a 3-stage Quest step (batch 1, Llama-2-7B layer)\n\n"
+    out.with_suffix(".md").write_text("# Zero-compute floor of a 3-stage Quest step (batch 1)\n\n"
                                       + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n" + md + "\n")
     print(md)
 
