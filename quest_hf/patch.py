@@ -179,21 +179,16 @@ def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
 KEEP_SLACK = 1 / 8
 
 
-def _kept_cache(model, state: _PatchState, config: QuestConfig, length: int, batch: int) -> QuestCache | None:
-    """The last generate()'s captured-decode cache, reset, if this call has the same settings and shapes:
-    the call then replays the captured graph from its first decode step (no eager step, no capture)."""
-    cache, state.kept = state.kept, None  # taken: a call that fails leaves nothing half-used behind
+def _reusable(cache: QuestCache | None, model, config: QuestConfig, length: int, batch: int) -> bool:
+    """Whether the last generate()'s captured-decode cache can serve this call: same settings, batch, dtype and
+    device, and a capacity that fits prompt + new tokens with at most KEEP_SLACK to spare."""
     if cache is None or cache.quest_config != config:
-        return None
+        return False
     layer = cache.layers[0]
     need = -(-length // config.page_size) * config.page_size
     param = next(model.parameters())
-    if not (need <= layer.max_length <= need * (1 + KEEP_SLACK) and layer.is_initialized
-            and layer.keys.shape[0] == batch and layer.dtype == param.dtype and layer.device == param.device):
-        return None
-    cache.reset()
-    cache.stop_check = None
-    return cache
+    return (need <= layer.max_length <= need * (1 + KEEP_SLACK) and layer.is_initialized
+            and layer.keys.shape[0] == batch and layer.dtype == param.dtype and layer.device == param.device)
 
 
 def _wrap_generate(model, state: _PatchState):
@@ -201,19 +196,28 @@ def _wrap_generate(model, state: _PatchState):
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        # Every call takes the kept cache: one that does not reuse it drops it before allocating its own (two
+        # caches of a long prompt may not fit), and one that fails leaves nothing half-used behind.
+        kept, state.kept = state.kept, None
         gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
         use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or use_cache is False:
+            del kept
             return original(*args, **kwargs)
         config = _generate_config(model, state, gen_cfg, kwargs)
         if not config.cuda_graph:
+            del kept
             kwargs[state.cache_arg] = QuestCache(config, state.num_layers)
             return original(*args, **kwargs)
         length = _static_length(model, args, kwargs)
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        cache = _kept_cache(model, state, config, length, ids.shape[0])
-        reused = cache is not None
-        cache = cache or QuestCache(config, state.num_layers, length)
+        if _reusable(kept, model, config, length, ids.shape[0]):
+            cache, reused = kept, True
+            cache.reset()  # the captured graph replays from the first decode step: no eager step, no capture
+            cache.stop_check = None
+        else:
+            del kept
+            cache, reused = QuestCache(config, state.num_layers, length), False
         cache.reused = reused
         kwargs[state.cache_arg] = cache
         out = original(*args, **kwargs)

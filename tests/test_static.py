@@ -225,6 +225,12 @@ def test_generate_keeps_its_static_cache_for_the_next_call_of_the_same_shapes(si
     assert model._quest_state.kept is None
     model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False)
     assert model._quest_state.kept is not out.past_key_values
+    # A call over the caller's own cache drops the kept one first (two caches of a long prompt may not fit).
+    assert model._quest_state.kept is not None
+    own = QuestCache.from_model(model, max_length=ids2.shape[1] + 17)
+    model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False, past_key_values=own)
+    assert model._quest_state.kept is None
+    model.generate(ids2, attention_mask=mask2, max_new_tokens=17, do_sample=False)
     from quest_hf import release_cache, unpatch_model
 
     assert release_cache(model)._quest_state.kept is None
