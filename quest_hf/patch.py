@@ -356,4 +356,5 @@ def patched(model, budget: int | None = None, page_size: int | None = None, *,
             unpatch_model(model)
         else:
             model._quest_state.config = previous
+            model._quest_state.kept = None  # built under the inner settings
             _set_compiled(model, model._quest_state)
