@@ -28,57 +28,18 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
+import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import transformers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from quest_hf import patch_model, unpatch_model  # noqa: E402
-
-SHAPES = {
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000),
-}
-
+from quest_hf import patch_model, unpatch_model
+from quest_hf.bench import MODEL_SHAPES as SHAPES
+from quest_hf.bench import Clock, results_dir, time_calls
+from quest_hf.bench import random_llama as build
 
 METHODS = ("dense", "static", "static_defer", "quest", "quest_graph", "quest_graph_c", "quest_graph_c_sync")
-
-
-def build(shape: str, dtype, device, max_len: int):
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_len, 4096), attn_implementation="sdpa",
-                      eos_token_id=None, pad_token_id=0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-class Clock:
-    """A generate() streamer that timestamps the prompt and every new token.
-
-    It does not synchronise: generate() hands it tokens already copied to the host (`.cpu()` after the step,
-    or, with the deferred stop check, after waiting on the step's event), so the timestamps are spaced by
-    the per-token time the user sees; a sync here would undo the deferred check's overlap."""
-
-    def __init__(self, device):
-        self.device, self.t = device, []
-
-    def put(self, value):
-        self.t.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def measure(model, ids, new_tokens, device, deferred: bool, **kw):
@@ -119,7 +80,7 @@ def hf_deferred_stop(enabled: bool):
 
 
 def replay_ms(model, ids, new_tokens, device) -> float:
-    """GPU time of one captured Quest decode step (graph replay alone, CUDA events, median of 20):
+    """GPU time of one captured Quest decode step (graph replay alone, quest_hf.bench's timer, median of 20):
     the floor of quest_graph's per-token latency once generate's own host work is taken out."""
     from quest_hf import QuestCache
     from quest_hf.patch import cache_arg_name
@@ -127,17 +88,14 @@ def replay_ms(model, ids, new_tokens, device) -> float:
     cache = QuestCache.from_model(model, max_length=ids.shape[1] + new_tokens)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                    **{cache_arg_name(model): cache})
-    graph, times = cache.graph.graph, []
-    for _ in range(20):
+    graph = cache.graph.graph
+
+    def reset():
         for layer in cache.layers:
             layer.pos.fill_(ids.shape[1])  # rewrite the same slot each time: the cache never fills up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end))
-    return sorted(times)[10]
+
+    with torch.cuda.device(device):
+        return time_calls(graph.replay, before=reset, warmup=1, iters=20) * 1e-3
 
 
 def main(argv=None):
@@ -152,8 +110,9 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks"), "e2e.json"))
+    p.add_argument("--out", default=None, help="JSON path; a .md beside it (default results/bench_e2e/e2e.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(results_dir("bench_e2e") / "e2e.json")
     for m in args.methods:
         base, _, policy = m.partition(":")
         if base not in METHODS:

@@ -5,16 +5,15 @@ Per configuration it times each stage and the whole step (plain launches and one
 bytes it must read (all pages' kmin/kmax + the chosen pages' K/V + the fp32 scores written and read back)
 over the device-to-device copy bandwidth measured in the same run.
 
-    PYTHONPATH=. python scripts/bench_kernels.py --quick        # a subset
-    PYTHONPATH=. python scripts/bench_kernels.py --check        # launchers vs references first
-    PYTHONPATH=. python scripts/bench_kernels.py --tune         # a few block sizes at 32K
-    PYTHONPATH=. python scripts/bench_kernels.py --timer dirty  # triton do_bench (L2 left dirty, see NOTES)
+    python scripts/bench_kernels.py --quick        # a subset
+    python scripts/bench_kernels.py --check        # launchers vs references first
+    python scripts/bench_kernels.py --tune         # a few block sizes at 32K
 
-Timers: "clean" (default) times each call with CUDA events, rotating over input sets that together exceed L2
-three times, and no flush; "dirty" is triton.testing.do_bench, whose flush (zeroing 256 MB before every
-call) leaves L2 full of dirty lines that the timed kernels must write back (~50 MB extra traffic).
+Timer: quest_hf.bench (CUDA events per call after a GPU spin, median, no L2 flush), rotating over input sets
+that together exceed L2 three times. Round 1's figures (benchmarks/kernels/round1/) were taken with
+triton.testing.do_bench instead, whose flush leaves L2 full of dirty lines (benchmarks/kernels/NOTES.md, round 2).
 
-Writes bench_kernels.json and bench_kernels.md under $OUT if set, else benchmarks/.
+Writes <name>.json and <name>.md into --out-dir (default results/bench_kernels/).
 """
 import argparse
 import datetime
@@ -27,52 +26,17 @@ import time
 import torch
 
 import triton_kernels as tk
+from quest_hf.bench import LAYER_SHAPES, copy_bandwidth, results_dir, rotating, time_calls, time_graph
 from triton_kernels import score as score_mod
 from triton_kernels import sparse_attention as attn_mod
 from triton_kernels import topk as topk_mod
 
-SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (H_q, H_kv, D)
+SHAPES = LAYER_SHAPES  # (H_q, H_kv, D)
 PAGE = 16
 L2_BYTES = 60e6
 DEV = "cuda"
 VARIANTS = False
 TUNE_STAGES = ()
-
-
-TIMER = "clean"
-
-
-def bench(fn, warmup=3, rep=12):
-    """Median microseconds of fn() (see the module docstring for the two timers)."""
-    import triton.testing
-
-    if TIMER == "dirty":
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    n = max(10, min(400, int(rep * 1e-3 / max((time.perf_counter() - t0) / 5, 1e-6))))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in ev:
-        # ~20 us of GPU spinning (no memory traffic) lets the CPU queue the timed call before the GPU reaches it.
-        torch.cuda._sleep(40000)
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[n // 2] * 1e3
-
-
-def copy_bandwidth():
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    y = torch.empty_like(x)
-    t = bench(lambda: y.copy_(x), rep=100)
-    return 2 * n / (t * 1e-6)  # bytes/s, read + written
 
 
 def make_layer(B, H, L, D, dtype, seed):
@@ -115,16 +79,6 @@ class Step:
         ids = tk.topk_pages(s, self.k, self.group)
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale)
 
-    def graph(self, stage="full"):
-        """A CUDA graph of one stage (or the whole step): replays time the GPU work without launch overhead."""
-        fn = getattr(self, stage)
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self.out = fn()
-        return g
-
     def bytes_read(self):
         B, H, P, D = self.kmin.shape
         es = self.kmin.element_size()
@@ -136,20 +90,8 @@ class Step:
 
 
 def graph_time(steps, stage):
-    graphs = [s.graph(stage) for s in steps]
-    t = bench(rotating([g.replay for g in graphs]))
-    del graphs
-    return t
-
-
-def rotating(fns):
-    state = {"i": 0}
-
-    def call():
-        state["i"] += 1
-        return fns[state["i"] % len(fns)]()
-
-    return call
+    """Median us of one CUDA-graph replay of `stage` ("score", "topk", "attn" or "full"), rotated over the steps."""
+    return time_graph([getattr(s, stage) for s in steps])
 
 
 def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
@@ -168,7 +110,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             kc, vc = layers[i][0], layers[i][1]
             return lambda: F.scaled_dot_product_attention(qs[i][:, :, None], kc, vc, enable_gqa=H_q != H_kv)
 
-        sdpa_cache[key] = bench(rotating([sdpa(i) for i in range(n_sets)]))
+        sdpa_cache[key] = time_calls(rotating([sdpa(i) for i in range(n_sets)]))
     t_sdpa = sdpa_cache[key]
     rows = []
     k = budget // PAGE
@@ -177,7 +119,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             continue  # group of one: identical to union
         steps = [Step(layers[i], qs[i], k, mode) for i in range(n_sets)]
         t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
-        t_total = bench(rotating([s.full for s in steps]))
+        t_total = time_calls(rotating([s.full for s in steps]))
         t_graph = graph_time(steps, "full")
         extra = {}
         if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
@@ -194,11 +136,11 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
             score_us=t_score, topk_us=t_topk, attn_us=t_attn, total_us=t_total, graph_us=t_graph,
             sdpa_us=t_sdpa, speedup_plain=t_sdpa / t_total, speedup_graph=t_sdpa / t_graph,
             bytes=nbytes, chosen_pages=chosen, achieved_GBps=nbytes / (best * 1e-6) / 1e9,
-            byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets, timer=TIMER, **extra,
+            byte_limit_us=limit_us, frac_of_limit=limit_us / best, n_input_sets=n_sets, timer="clean", **extra,
         ))
         print(fmt_row(rows[-1]), flush=True)
         del steps
-    del layers, qs
+    layers = qs = None  # the input sets go before empty_cache (a del would leave sdpa's closure unbound)
     torch.cuda.empty_cache()
     return rows
 
@@ -209,7 +151,8 @@ HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn u
 
 def fmt_row(r):
     return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
-            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} | {r['sdpa_us']:.1f} "
+            f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} "
+            f"| {r['sdpa_us']:.1f} "
             f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} "
             f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |"
             + (f" attn: merge fused {r['attn_fused_merge_us']:.1f}, merge kernel {r['attn_merge_kernel_us']:.1f}"
@@ -245,7 +188,7 @@ def check():
                 vn = torch.randn_like(kn)
                 tk.append_kv(kc, vc, kmin, kmax, valid, kn, vn, None, t)
                 tk.append_kv_ref(*ref_cache, kn, vn, None, t)
-            for a, b in zip((kc, vc, kmin, kmax, valid), ref_cache):
+            for a, b in zip((kc, vc, kmin, kmax, valid), ref_cache, strict=True):
                 assert torch.equal(a, b), "append mismatch"
             q = torch.randn(B, H_q, D, device=dev, dtype=dtype)
             G = H_q // H_kv
@@ -263,7 +206,8 @@ def check():
                         continue
                     ids = tk.topk_pages(src, k, group)
                     ids_ref = tk.topk_pages_ref(src, k, group)
-                    assert ids.shape == ids_ref.shape and torch.equal((ids < 0).sum(-1), (ids_ref < 0).sum(-1)), "topk count"
+                    assert ids.shape == ids_ref.shape, "topk shape"
+                    assert torch.equal((ids < 0).sum(-1), (ids_ref < 0).sum(-1)), "topk count"
                     srt = ids.clone()
                     srt[srt < 0] = 1 << 30
                     assert torch.equal(srt.sort(-1).values, srt), "topk not ascending"
@@ -280,9 +224,11 @@ def check():
                         attn_mod.FUSE_MERGE_MAX_SPLITS = limit
                         o = tk.sparse_decode_attention(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
                         rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-                        assert not o.isnan().any() and rel < 2e-2, f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
+                        assert not o.isnan().any() and rel < 2e-2, \
+                            f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
                     attn_mod.FUSE_MERGE_MAX_SPLITS = default
-                    report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: attn rel err {rel:.2e}, score err {err:.1e}")
+                    report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: "
+                                  f"attn rel err {rel:.2e}, score err {err:.1e}")
             del kc, vc, kmin, kmax, valid, ref_cache
     for line in report:
         print("check:", line)
@@ -338,7 +284,7 @@ def tune(bw):
         default = tuple(getattr(mod, n) for n in names)
         best = None
         for cand in cands:
-            for n, v in zip(names, cand):
+            for n, v in zip(names, cand, strict=True):
                 setattr(mod, n, v)
             try:
                 times = {name: graph_time([st], stage.split("_")[0]) for name, st in cases}
@@ -346,15 +292,16 @@ def tune(bw):
                 print(f"tune: {stage} {cand} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             tot = sum(times.values())
-            results.setdefault(stage, []).append(dict(config=dict(zip(names, cand)), us=times, total_us=tot))
-            print(f"tune: {stage} {dict(zip(names, cand))} total {tot:.1f} us {times}", flush=True)
+            config = dict(zip(names, cand, strict=True))
+            results.setdefault(stage, []).append(dict(config=config, us=times, total_us=tot))
+            print(f"tune: {stage} {config} total {tot:.1f} us {times}", flush=True)
             if best is None or tot < best[0]:
                 best = (tot, cand)
         chosen = best[1] if best else default
-        for n, v in zip(names, chosen):
+        for n, v in zip(names, chosen, strict=True):
             setattr(mod, n, v)
-        results[stage + "_chosen"] = dict(zip(names, chosen))
-        print(f"tune: {stage} chosen {dict(zip(names, chosen))}", flush=True)
+        results[stage + "_chosen"] = dict(zip(names, chosen, strict=True))
+        print(f"tune: {stage} chosen {dict(zip(names, chosen, strict=True))}", flush=True)
     del cases
     torch.cuda.empty_cache()
     return results
@@ -369,25 +316,25 @@ def main(argv=None):
     ap.add_argument("--no-sweep", action="store_true", help="skip the benchmark sweep")
     ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
-    ap.add_argument("--timer", choices=("clean", "dirty"), default="clean", help="see the module docstring")
     ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
     ap.add_argument("--name", default="bench_kernels", help="output file stem")
+    ap.add_argument("--out-dir", default=None, help="output folder (default results/bench_kernels/)")
     args = ap.parse_args(argv)
     import triton
 
-    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    out_dir = args.out_dir or str(results_dir("bench_kernels"))
     os.makedirs(out_dir, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
     t0 = time.time()
-    global TIMER, VARIANTS, TUNE_STAGES
-    TIMER, VARIANTS, TUNE_STAGES = args.timer, args.variants, tuple(args.tune_stages)
-    meta["timer"] = TIMER
+    global VARIANTS, TUNE_STAGES
+    VARIANTS, TUNE_STAGES = args.variants, tuple(args.tune_stages)
+    meta["timer"] = "clean (quest_hf.bench.time_calls)"
     if args.check:
         check()
         check_topk_large()
         meta["check_s"] = time.time() - t0
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(DEV)
     meta["copy_bandwidth_GBps"] = bw / 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     meta["tune"] = tune(bw) if args.tune else None

@@ -10,27 +10,22 @@ weights dispatched layer-wise over every visible GPU; tokens must be equal. Repo
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+import transformers
+from accelerate import dispatch_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import transformers  # noqa: E402
-from accelerate import dispatch_model  # noqa: E402
-from bench_e2e import Clock, build  # noqa: E402
-
-from quest_hf import patch_model  # noqa: E402
+from quest_hf import patch_model
+from quest_hf.bench import Clock, random_llama, results_dir
 
 
 def run(model, ids, n):
     clock = Clock(torch.device("cuda", 0))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, streamer=clock, return_dict_in_generate=True)
-    steps = sorted(b - a for a, b in zip(clock.t[1:], clock.t[2:]))
+    steps = sorted(b - a for a, b in zip(clock.t[1:], clock.t[2:], strict=False))
     return out.sequences[:, ids.shape[1]:], steps[len(steps) // 2] * 1e3, out.past_key_values
 
 
@@ -40,11 +35,12 @@ def main():
     p.add_argument("--length", type=int, default=32768)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks"), "multigpu.json"))
+    p.add_argument("--out", default=None, help="JSON path (default results/bench_multigpu/multigpu.json)")
     a = p.parse_args()
+    a.out = a.out or str(results_dir("bench_multigpu") / "multigpu.json")
     n_gpu = torch.cuda.device_count()
     torch.manual_seed(0)
-    model = build(a.shape, torch.float16, torch.device("cuda", 0), a.length + a.new_tokens)
+    model = random_llama(a.shape, torch.float16, torch.device("cuda", 0), a.length + a.new_tokens)
     ids = torch.randint(1, 32000, (1, a.length), device="cuda:0", generator=torch.Generator("cuda").manual_seed(1))
     rows = {}
     # cuda_graph=False on one GPU too, so both runs take the same (growing-cache) code path.
@@ -70,7 +66,8 @@ def main():
     rows["same_tokens"] = bool(torch.equal(one.cpu(), multi.cpu()))
     meta = dict(date=datetime.date.today().isoformat(), gpus=[torch.cuda.get_device_name(i) for i in range(n_gpu)],
                 torch=torch.__version__, transformers=transformers.__version__, shape=a.shape, length=a.length,
-                budget=a.budget, new_tokens=a.new_tokens, command="python scripts/bench_multigpu.py " + " ".join(sys.argv[1:]))
+                budget=a.budget, new_tokens=a.new_tokens,
+                command="python scripts/bench_multigpu.py " + " ".join(sys.argv[1:]))
     print(json.dumps(dict(meta=meta, **rows), indent=1))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(dict(meta=meta, **rows), indent=1))

@@ -13,29 +13,26 @@ selection alone (`select`) is timed the same way, and dense SDPA over the whole 
     python scripts/bench_selector.py --policies quest qcode1_2s/32 --check   # POLICY/PAGE: its own page size;
                                                         # --check: the kernels' pages vs the PyTorch path's
 
-Writes bench_selector.json and bench_selector.md to $OUT (or --out).
+Timed by quest_hf.bench (the one CUDA timer of every benchmark). Writes bench_selector.json and .md into --out
+(default results/bench_selector/).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quest_hf import QuestCache, QuestConfig
+from quest_hf.bench import LAYER_SHAPES, results_dir, time_calls, time_graph, wall_time_us
+from quest_hf.eval.accounting import dense_bytes, step_bytes
+from quest_hf.ops import TORCH
+from quest_hf.selectors import SELECTORS
 
-from quest_hf import QuestCache, QuestConfig  # noqa: E402
-from quest_hf.eval.accounting import dense_bytes, step_bytes  # noqa: E402
-from quest_hf.ops import TORCH  # noqa: E402
-from quest_hf.selectors import SELECTORS  # noqa: E402
-
-SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # H_q, H_kv, D
+SHAPES = LAYER_SHAPES  # H_q, H_kv, D
 TINY_SHAPES = {"tiny-mha": (4, 4, 64), "tiny-gqa": (8, 2, 64)}
 
 
@@ -56,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--no-graph", action="store_true", help="time eager launches instead of CUDA-graph replay")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: 1K tokens, budget 128, small heads, torch path")
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks"), help="output folder (default $OUT)")
+    p.add_argument("--out", default=None, help="output folder (default results/bench_selector/)")
     return p.parse_args(argv)
 
 
@@ -91,31 +88,10 @@ def step_fn(policy, layer, q, scale, with_attention=True):
 
 
 def time_cuda(fn, warmup, iters, graph):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    """Median us of one step: a CUDA-graph replay (or eager launches), timed by quest_hf.bench."""
     if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-        for _ in range(5):
-            run()
-    else:
-        run = fn
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+        return time_graph(fn, warmup=warmup, iters=iters)
+    return time_calls(fn, warmup=warmup, iters=iters)
 
 
 def kernel_table(fn, steps=20):
@@ -134,14 +110,7 @@ def kernel_table(fn, steps=20):
 
 
 def time_cpu(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(times)
+    return wall_time_us(fn, warmup=warmup, iters=iters)
 
 
 def time_dense(Hq, H, D, L, device, dtype, cuda, args):
@@ -190,7 +159,8 @@ def main(argv=None):
                 kernel_ops, layer.ops = layer.ops, TORCH
                 ref = SELECTORS[policy].select(layer, q, 0)
                 layer.ops = kernel_ops
-                sets = [(set(a.tolist()) - {-1}, set(b.tolist()) - {-1}) for a, b in zip(ids.flatten(0, 1), ref.flatten(0, 1))]
+                sets = [(set(a.tolist()) - {-1}, set(b.tolist()) - {-1})
+                        for a, b in zip(ids.flatten(0, 1), ref.flatten(0, 1), strict=True)]
                 same = sum(a == b for a, b in sets) / len(sets)
             if cuda:
                 t = time_cuda(full, args.warmup, args.iters, not args.no_graph)
@@ -218,12 +188,15 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name() if cuda else "cpu (torch path, --tiny)"
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device_name, length=L,
                 budget=args.budget, page_size=args.page_size, dtype=str(dtype), graph=cuda and not args.no_graph,
-                timing="CUDA events, median of %d replays" % args.iters if cuda else "wall clock median (CPU)",
+                timing=f"quest_hf.bench: CUDA events, median of {args.iters} calls" if cuda
+                else "wall clock median (CPU)",
                 torch=torch.__version__, command="python scripts/bench_selector.py " + " ".join(argv or sys.argv[1:]))
     md = ["# Selector decode step per layer (select + sparse attention)\n"] + [f"- {k}: {v}" for k, v in meta.items()]
     md += ["", "| shape | policy | step us | select us | x dense | x quest | pages/KV head | bytes frac | GB/s | "
            "same pages as ref |", "|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    def fmt(v, f):
+        return "-" if v is None else format(v, f)
+
     for r in rows:
         md.append(f"| {r['shape']} | {r['policy']} | {r['us']:.1f} | {fmt(r['select_us'], '.1f')} | "
                   f"{r['ratio_to_dense']:.2f} | {fmt(r.get('ratio_to_quest'), '.2f')} | "
@@ -231,7 +204,7 @@ def main(argv=None):
                   f"{fmt(r.get('same_pages_as_ref'), '.3f')} |")
     text = "\n".join(md)
     print(text)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else results_dir("bench_selector")
     out.mkdir(parents=True, exist_ok=True)
     name = "bench_selector_tiny" if args.tiny else "bench_selector"
     (out / f"{name}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -8,23 +8,19 @@ backend ran and how many graphs were captured/replayed; and a generation stopped
 deferred stop check (the default on CUDA) vs transformers' per-token check: same tokens, same cache length;
 a second generate() of the same shapes over the kept cache and graph vs a fresh cache: same tokens.
 
-    PYTHONPATH=. python scripts/gpu_check.py                                   # quest, page 16
-    PYTHONPATH=. python scripts/gpu_check.py --policy qcode1_2s --page-size 32 --out gpu_check_qcode1_2s.json
+    python scripts/gpu_check.py                                   # quest, page 16
+    python scripts/gpu_check.py --policy qcode1_2s --page-size 32 --out results/gpu_check/gpu_check_qcode1_2s.json
 """
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import quest_hf.static  # noqa: E402
-from quest_hf import patch_model, release_cache, unpatch_model  # noqa: E402
+import quest_hf.static
+from quest_hf import patch_model, release_cache, unpatch_model
+from quest_hf.bench import results_dir
 
 
 def model_of(heads, kv_heads, dtype):
@@ -87,7 +83,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="quest")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--out", default="gpu_check.json", help="file name under $OUT (or benchmarks/)")
+    p.add_argument("--out", default=None, help="JSON path (default results/gpu_check/gpu_check.json)")
     args = p.parse_args(argv)
     rows = []
     g = torch.Generator("cuda").manual_seed(1)
@@ -139,7 +135,8 @@ def main(argv=None):
                                           page_size=args.page_size, backend="triton", cuda_graph=True))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out = Path(os.environ.get("OUT", "benchmarks")) / args.out
+    out = Path(args.out) if args.out else results_dir("gpu_check") / "gpu_check.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
 
 

@@ -11,16 +11,14 @@ Data: the Hub's THUDM/LongBench, or --data-dir with one <task>.jsonl per task (L
 Writes JSON (--out, with every prediction) and a Markdown report next to it.
 """
 import argparse
-import os
 import sys
 
 import torch
 from tqdm import tqdm
 
-from _common import DTYPES, add_model_args, environment, ints, model_tag, write_report  # scripts/_common.py (the script's folder is on sys.path)
+from quest_hf.bench import DTYPES, add_model_args, environment, ints, model_tag, results_dir, write_report
 from quest_hf.eval.longbench import TASKS, configs_for, evaluate, load_task
 from quest_hf.models import load_model
-
 
 
 def parse_args(argv=None):
@@ -40,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--chat", choices=["auto", "yes", "no"], default="auto",
                    help="wrap prompts in the tokenizer's chat template (auto: when it has one; never on triviaqa)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap LongBench's generation lengths")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/longbench_<model>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/longbench/longbench_<model>.json)")
     return p.parse_args(argv)
 
 
@@ -52,7 +50,7 @@ def main(argv=None):
     unknown = set(tasks) - set(TASKS)
     if unknown:
         sys.exit(f"error: unknown tasks {sorted(unknown)}; choose from {', '.join(TASKS)}")
-    out = args.out or os.path.join("benchmarks", f"longbench_{model_tag(args.model)}.json")
+    out = args.out or str(results_dir("longbench") / f"longbench_{model_tag(args.model)}.json")
     configs = configs_for(args.budgets, dense=not args.no_dense, page_size=args.page_size,
                           dense_layers=args.dense_layers, gqa_mode=args.gqa_mode, policy=args.policy)
     try:  # fail on missing data before loading the model

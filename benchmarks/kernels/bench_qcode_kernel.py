@@ -4,18 +4,19 @@ One random fp16 layer per shape and length (page 16, keys with outlier channels,
 scored exactly as the current page), its kmin/kmax and its codes from `encode_codes`. Per (shape, L, bits, mode):
 `code_scores` is checked against `code_scores_ref` (finite entries allclose, same -inf/+inf pattern, max abs diff
 reported), then timed next to `score_pages` (reduce "none", same layer): each call captured in a CUDA graph,
-replays timed by CUDA events, median of --iters replays after warm-up, rotating over input sets (clones of codes,
+replays timed by quest_hf.bench, median of --iters replays after warm-up, rotating over input sets (clones of codes,
 kmin, kmax and q) that together exceed L2 three times, so no timed call finds its inputs in L2. A sweep of
 (variant, block_p, num_warps) runs for bits 2 and mode "max" (each config checked first); the rest use the
 defaults (`*` in the table).
 
-    PYTHONPATH=. python scripts/bench_qcode_kernel.py --out DIR           # ~1-2 minutes on an H200
-    PYTHONPATH=. python scripts/bench_qcode_kernel.py --out DIR --quick   # 32K only, no 1-bit rows
-    PYTHONPATH=. python scripts/bench_qcode_kernel.py --out DIR --tiny    # CPU smoke test (interpreter, L=512)
+    python benchmarks/kernels/bench_qcode_kernel.py --out DIR           # ~1-2 minutes on an H200
+    python benchmarks/kernels/bench_qcode_kernel.py --out DIR --quick   # 32K only, no 1-bit rows
+    python benchmarks/kernels/bench_qcode_kernel.py --out DIR --tiny    # CPU smoke test (interpreter, L=512)
 
 Bytes: what a call must read (codes of the complete pages, their kmin/kmax, the current page's keys) plus the
 fp32 scores written; "frac" is that over the device-to-device copy bandwidth measured in the same run, over the
-measured time (1.0 = at copy speed). Writes bench_qcode_kernel.json and .md into --out.
+measured time (1.0 = at copy speed). Writes bench_qcode_kernel.json and .md into --out (default
+results/bench_qcode_kernel/; round 3's are in benchmarks/kernels/round3/).
 """
 import argparse
 import datetime
@@ -24,19 +25,19 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 if "--tiny" in sys.argv:  # CPU smoke test: Triton reads TRITON_INTERPRET when first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch  # noqa: E402 (after TRITON_INTERPRET is set)
 import triton  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import triton_kernels as tk  # noqa: E402
+from quest_hf.bench import LAYER_SHAPES, copy_bandwidth, results_dir, time_graph, wall_time_us  # noqa: E402
 from triton_kernels import key_codes  # noqa: E402
 
-SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (H_q, H_kv, D), as scripts/bench_kernels.py
+SHAPES = LAYER_SHAPES  # (H_q, H_kv, D)
 PAGE = 16
 L2_BYTES = 60e6  # H200: 50 MB; a margin
 DEV = "cuda"
@@ -48,7 +49,7 @@ SWEEP = [("words", None, 1), ("words", None, 2), ("words", None, 4), ("words", N
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks"), help="output folder (default $OUT)")
+    p.add_argument("--out", default=None, help="output folder (default results/bench_qcode_kernel/)")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--bits", type=int, nargs="+", default=[2, 1], choices=[1, 2, 4])
@@ -81,7 +82,9 @@ def encode(keys, kmin, kmax, bits):
     ref = torch.zeros_like(codes[:, :, :n])
     tk.encode_codes_ref(keys[:, :, :n], kmin[:, :, :n // PAGE], kmax[:, :, :n // PAGE], ref, 0, n // PAGE, bits)
     per = 8 // bits
-    unpack = lambda c: (c.long()[..., None] >> (torch.arange(per, device=DEV) * bits)) & ((1 << bits) - 1)  # noqa: E731
+    def unpack(c):
+        return (c.long()[..., None] >> (torch.arange(per, device=DEV) * bits)) & ((1 << bits) - 1)
+
     diff = (unpack(codes[:, :, :n]) - unpack(ref)).abs()
     assert diff.max() <= 1 and (diff != 0).float().mean() < 1e-3, "encode_codes differs from encode_codes_ref"
     return codes
@@ -103,50 +106,20 @@ def compare(mine, ref):
 def time_graphs(fns, warmup, iters):
     """Median microseconds of one call: each fn captured in its own CUDA graph, replays rotated over the fns."""
     if DEV == "cpu":  # --tiny: wall clock, only to exercise the script
-        times = []
-        for i in range(iters):
-            t = time.perf_counter()
-            fns[i % len(fns)]()
-            times.append((time.perf_counter() - t) * 1e6)
-        return sorted(times)[len(times) // 2]
-    graphs = []
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for fn in fns:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs.append(g)
-    for i in range(warmup):
-        graphs[i % len(graphs)].replay()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (a, b) in enumerate(ev):
-        torch.cuda._sleep(20000)  # keeps the CPU ahead of the GPU: the timed replay starts right after `a`
-        a.record()
-        graphs[i % len(graphs)].replay()
-        b.record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)
-    del graphs
-    return times[len(times) // 2]
+        return wall_time_us(fns[0], warmup=warmup, iters=iters)
+    return time_graph(fns, warmup=warmup, iters=iters)
 
 
-def copy_bandwidth():
-    """Device-to-device copy bandwidth, bytes/s (read + written), timed like the kernels."""
-    x = torch.empty(1 << (20 if DEV == "cpu" else 30), dtype=torch.uint8, device=DEV).random_()
+def cpu_copy_bandwidth():
+    """--tiny only: a 1 MB host copy by wall clock, so the script runs end to end on CPU."""
+    x = torch.empty(1 << 20, dtype=torch.uint8).random_()
     y = torch.empty_like(x)
-    t = time_graphs([lambda: y.copy_(x)], 3, 20)
-    return 2 * x.numel() / (t * 1e-6)
+    return 2 * x.numel() / (wall_time_us(lambda: y.copy_(x)) * 1e-6)
 
 
 def run_shape(shape, L, args, bw, rows):
     H_q, H, D = SHAPES[shape]
-    G, S, scale = H_q // H, PAGE, D ** -0.5
+    S, scale = PAGE, D ** -0.5
     keys, kmin, kmax, valid, chan = build_layer(H, L, D, seed=L + H)
     P = L // S
     quest_bytes = 2 * H * P * D * 2 + H_q * P * 4
@@ -157,7 +130,7 @@ def run_shape(shape, L, args, bw, rows):
         n_sets = max(3, min(8, math.ceil(3 * L2_BYTES / nbytes)))
         sets = [(codes, kmin, kmax)] + [(codes.clone(), kmin.clone(), kmax.clone()) for _ in range(n_sets - 1)]
         qs = [(torch.randn(1, H_q, D, device=DEV) * chan).half() for _ in range(n_sets)]
-        t_quest = time_graphs([lambda i=i: tk.score_pages(qs[i], sets[i][1], sets[i][2], L, S, 0, "none")
+        t_quest = time_graphs([partial(tk.score_pages, qs[i], sets[i][1], sets[i][2], L, S, 0, "none")
                                for i in range(n_sets)], args.warmup, args.iters)
         for mode in args.modes:
             ref = tk.code_scores_ref(qs[0], keys, kmin, kmax, codes, valid, L, S, 0, bits, mode, scale)
@@ -174,8 +147,8 @@ def run_shape(shape, L, args, bw, rows):
                     nw, bp = nw or key_codes.NUM_WARPS, bp or key_codes.BLOCK_P
                 mine = tk.code_scores(qs[0], keys, kmin, kmax, codes, valid, L, S, 0, bits, mode, scale, **kw)
                 ok, diff, mag = compare(mine, ref)
-                t = time_graphs([lambda i=i: tk.code_scores(qs[i], keys, sets[i][1], sets[i][2], sets[i][0], valid,
-                                                            L, S, 0, bits, mode, scale, **kw)
+                t = time_graphs([partial(tk.code_scores, qs[i], keys, sets[i][1], sets[i][2], sets[i][0], valid,
+                                         L, S, 0, bits, mode, scale, **kw)
                                  for i in range(n_sets)], args.warmup, args.iters)
                 rows.append(dict(
                     shape=shape, L=L, bits=bits, mode=mode, variant=var, block_p=bp, num_warps=nw,
@@ -200,7 +173,8 @@ def fmt_row(r):
     return (f"| {r['shape']} | {r['L']} | {r['bits']} | {r['mode']} | {r['variant']}{'*' if r['default'] else ''} "
             f"| {r['block_p']} "
             f"| {r['num_warps']} | {r['code_us']:.1f} | {r['quest_us']:.1f} | {r['ratio_to_quest']:.2f} "
-            f"| {r['bytes'] / 1e6:.1f} | {r['GBps']:.0f} | {r['frac_of_copy_bw']:.2f} | {r['quest_frac_of_copy_bw']:.2f} "
+            f"| {r['bytes'] / 1e6:.1f} | {r['GBps']:.0f} | {r['frac_of_copy_bw']:.2f} "
+            f"| {r['quest_frac_of_copy_bw']:.2f} "
             f"| {'yes' if r['ok'] else 'NO'} | {r['max_abs_diff']:.1e} ({r['max_abs_ref']:.1f}) |")
 
 
@@ -210,13 +184,15 @@ def write(out, meta, rows):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(out, "bench_qcode_kernel.md"), "w") as f:
         f.write(f"# qcode page scoring (code_scores) vs Quest (score_pages)\n\n{json.dumps(meta)}\n\n"
-                "CUDA-graph replays, median; `*` = the module defaults; frac = bytes over copy bandwidth over time.\n\n")
+                "CUDA-graph replays, median; `*` = the module defaults; "
+                "frac = bytes over copy bandwidth over time.\n\n")
         f.write(HEADER + "\n" + "\n".join(fmt_row(r) for r in rows) + "\n")
 
 
 def main(argv=None):
     global DEV
     args = parse_args(argv)
+    args.out = args.out or str(results_dir("bench_qcode_kernel"))
     if args.tiny:
         DEV, args.lengths, args.warmup, args.iters = "cpu", [512], 0, 2
     elif not torch.cuda.is_available():
@@ -225,9 +201,10 @@ def main(argv=None):
         args.lengths = [32768]
     t0 = time.time()
     torch.manual_seed(0)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(DEV) if DEV == "cuda" else cpu_copy_bandwidth()
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (--tiny)"
-    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device, torch=torch.__version__, copy_bandwidth_GBps=bw / 1e9, page=PAGE, dtype="float16", B=1,
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device, torch=torch.__version__,
+                copy_bandwidth_GBps=bw / 1e9, page=PAGE, dtype="float16", B=1,
                 defaults=dict(variant=key_codes.VARIANT, words_num_warps=key_codes.WORDS_NUM_WARPS,
                               bytes_block_p=key_codes.BLOCK_P, bytes_num_warps=key_codes.NUM_WARPS), iters=args.iters,
                 command="python " + " ".join(sys.argv))

@@ -7,10 +7,11 @@ step a selection hook scores the chosen pages: the fraction of each query head's
 exact q.k over the whole context) inside the pages its KV head reads, and the bytes that step read
 (quest_hf.eval.accounting). The oracle reads the exact top tokens: recall 1 by construction, at its bytes.
 
-    python scripts/selector_recall.py                      # 4K, budgets 64..512, quest/qcode/qcode1/qcode_topp
-    python scripts/selector_recall.py --lengths 2048 --budgets 64 128
+    python benchmarks/accuracy/selector/selector_recall.py          # 4K, budgets 64..512, quest/qcode/qcode1/qcode_topp
+    python benchmarks/accuracy/selector/selector_recall.py --lengths 2048 --budgets 64 128
 
-Writes benchmarks/selector_recall.{json,md}.
+Writes --out (default results/selector_recall/selector_recall.json) and a .md beside it; the committed
+selector_recall*.{json,md} beside this file were written with --out (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quest_hf import QuestConfig, patch_model  # noqa: E402
-from quest_hf.eval.accounting import dense_bytes, step_bytes  # noqa: E402
-from quest_hf.eval.decode import feed, prefill  # noqa: E402
-from quest_hf.eval.passkey import make_case  # noqa: E402
-from quest_hf.models import load_model  # noqa: E402
+from quest_hf import QuestConfig, patch_model
+from quest_hf.bench import results_dir
+from quest_hf.eval.accounting import dense_bytes, step_bytes
+from quest_hf.eval.decode import feed, prefill
+from quest_hf.eval.passkey import make_case
+from quest_hf.models import load_model
 
 
 def parse_args(argv=None):
@@ -43,8 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=10)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--bytes-dtype", default="float16", help="KV dtype the byte fractions assume (default float16)")
-    p.add_argument("--out", default="benchmarks/selector_recall.json")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="JSON path (default results/selector_recall/selector_recall.json)")
+    args = p.parse_args(argv)
+    args.out = args.out or str(results_dir("selector_recall") / "selector_recall.json")
+    return args
 
 
 def recall_hook(cache, topk, records, acct):
@@ -88,13 +90,14 @@ def main(argv=None):
                 recs = []
 
                 def acct(L, pages, policy=policy, budget=budget):
-                    return step_bytes(policy, L, H, D, elt, args.page_size, pages, budget, G) / dense_bytes(L, H, D, elt)
+                    read = step_bytes(policy, L, H, D, elt, args.page_size, pages, budget, G)
+                    return read / dense_bytes(L, H, D, elt)
 
                 run.selection_hooks.append(recall_hook(run, args.topk, recs, acct))
                 feed(model, run, case.tail)
                 layers = sorted({r["layer"] for r in recs})
-                per_layer = {li: sum(r["recall"] for r in recs if r["layer"] == li) / sum(r["layer"] == li for r in recs)
-                             for li in layers}
+                per_layer = {li: sum(r["recall"] for r in recs if r["layer"] == li)
+                             / sum(r["layer"] == li for r in recs) for li in layers}
                 row = dict(length=n, policy=policy, budget=budget, recall=sum(per_layer.values()) / len(per_layer),
                            bytes_frac=sum(r["bytes_frac"] for r in recs) / len(recs),
                            pages_per_kv_head=sum(r["pages"] for r in recs) / len(recs) / H,
@@ -107,9 +110,12 @@ def main(argv=None):
             rows.append(dict(length=n, policy="oracle", budget=budget, recall=1.0,
                              bytes_frac=step_bytes("oracle", L, H, D, elt, args.page_size, 0, budget, G)
                              / dense_bytes(L, H, D, elt)))
-    md = ["# Selector recall@%d vs bytes read per step (%s)\n" % (args.topk, datetime.date.today().isoformat()),
-          f"- command: `python scripts/selector_recall.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-          f"- passkey prompt, depth {args.depth}, seed {args.seed}; page size {args.page_size}; bytes as {args.bytes_dtype} KV",
+    command = " ".join(["python benchmarks/accuracy/selector/selector_recall.py",
+                        *(argv if argv is not None else sys.argv[1:])])
+    md = [f"# Selector recall@{args.topk} vs bytes read per step ({datetime.date.today().isoformat()})\n",
+          f"- command: `{command}`",
+          f"- passkey prompt, depth {args.depth}, seed {args.seed}; page size {args.page_size}; "
+          f"bytes as {args.bytes_dtype} KV",
           "- cells: mean top-10 recall over the sparse layers and tail steps (bytes fraction of dense KV per step)\n"]
     for n in args.lengths:
         md += [f"\n### {n} tokens\n", "| policy | " + " | ".join(f"budget {b}" for b in args.budgets) + " |",
@@ -121,7 +127,8 @@ def main(argv=None):
                 cells.append(f"{r['recall']:.3f} ({r['bytes_frac']:.3f})")
             md.append(f"| {policy} | " + " | ".join(cells) + " |")
         layers = sorted(int(k) for k in next(r for r in rows if r["length"] == n and "per_layer" in r)["per_layer"])
-        md += [f"\n#### {n} tokens: recall per layer at budget {args.budgets[0]} / {args.budgets[1 % len(args.budgets)]}\n",
+        second = args.budgets[1 % len(args.budgets)]
+        md += [f"\n#### {n} tokens: recall per layer at budget {args.budgets[0]} / {second}\n",
                "| layer | " + " | ".join(args.policies) + " |", "|---|" + "---|" * len(args.policies)]
         for li in layers:
             cells = []

@@ -1,40 +1,37 @@
 #!/usr/bin/env python
 """Where generate()'s host time goes per token on the captured Quest path (CUDA).
 
-    python scripts/profile_host.py --shape llama2-7b --length 4096 --tokens 64
+    python benchmarks/probes/profile_host.py --shape llama2-7b --length 4096 --tokens 64
 
 The GPU replays the whole decode step, so every microsecond the host spends between replays (generate()'s own
 work, quest_hf's step wrapper) is a microsecond the GPU idles: generate() synchronises on every token. This
-times a generate() call's tokens (median per token, as bench_e2e.py), the graph replay alone, and prints the
+times a generate() call's tokens (median per token, as scripts/bench_e2e.py), the graph replay alone
+(quest_hf.bench's timer, median of 20), and prints the
 Python functions with the most own time per token under cProfile (which inflates Python time: read it as
 shares, not absolute costs). Host time barely depends on the context length, so short prompts do.
 
 It also times the graph launch itself, medians over 30 replays: `host` the CPU time of one `replay()` call,
-`idle` the GPU time between events recorded around a replay launched onto an idle GPU (what bench_e2e.py's
-"graph replay" reports), `busy` the same for a replay queued behind another (launch latency hidden);
+`idle` the GPU time between events recorded around a replay launched onto an idle GPU, `busy` the same for a
+replay queued behind another (launch latency hidden; both by quest_hf.bench.time_calls without its GPU spin);
 idle - busy is the launch latency a token pays when the host waits for the GPU every token.
+Prints only (the committed output, benchmarks/probes/profile_host_7b_r6.txt, is this script's stdout).
 """
 import argparse
 import cProfile
 import io
 import pstats
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_e2e import Clock, build, replay_ms  # noqa: E402
-from quest_hf import QuestCache, patch_model  # noqa: E402
-from quest_hf.patch import cache_arg_name  # noqa: E402
+from quest_hf import QuestCache, patch_model
+from quest_hf.bench import Clock, random_llama, time_calls
+from quest_hf.patch import cache_arg_name
 
 
 def launch_probe(model, ids, length):
-    """(host, idle, busy) medians in ms for the decode graph of a fresh cache (see the module docstring)."""
+    """(replay, host, idle, busy) medians in ms for the decode graph of a fresh cache (see the module docstring)."""
     cache = QuestCache.from_model(model, max_length=length + 16)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                    **{cache_arg_name(model): cache})
@@ -44,27 +41,27 @@ def launch_probe(model, ids, length):
         for layer in cache.layers:
             layer.pos.fill_(length)  # rewrite the same slot: the cache never fills up
 
-    host, idle, busy = [], [], []
+    replay = time_calls(graph.replay, before=reset, warmup=1, iters=20) * 1e-3
+    host = []
     for _ in range(30):
         reset()
         torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
         t0 = time.perf_counter()
         graph.replay()
         host.append((time.perf_counter() - t0) * 1e3)
-        e.record()
-        torch.cuda.synchronize()
-        idle.append(s.elapsed_time(e))
+    torch.cuda.synchronize()
+
+    def idle_gpu():
         reset()
-        graph.replay()  # keeps the GPU busy while the next one is launched
-        s2, e2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s2.record()
-        graph.replay()
-        e2.record()
         torch.cuda.synchronize()
-        busy.append(s2.elapsed_time(e2))
-    return tuple(statistics.median(x) for x in (host, idle, busy))
+
+    def busy_gpu():
+        reset()
+        graph.replay()  # keeps the GPU busy while the timed one is launched
+
+    idle = time_calls(graph.replay, before=idle_gpu, warmup=0, iters=30, spin_cycles=0) * 1e-3
+    busy = time_calls(graph.replay, before=busy_gpu, warmup=0, iters=30, spin_cycles=0) * 1e-3
+    return replay, statistics.median(host), idle, busy
 
 
 def main():
@@ -76,17 +73,19 @@ def main():
     p.add_argument("--rows", type=int, default=30)
     a = p.parse_args()
     dev = torch.device("cuda")
-    model = build(a.shape, torch.float16, dev, a.length + a.tokens)
+    model = random_llama(a.shape, torch.float16, dev, a.length + a.tokens)
     patch_model(model, budget=a.budget, cuda_graph=True, compile_decode=True)
     ids = torch.randint(1, 1000, (1, a.length), device=dev)
-    run = lambda **kw: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.tokens,  # noqa
-                                      min_new_tokens=a.tokens, do_sample=False, **kw)
+
+    def run(**kw):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.tokens,
+                              min_new_tokens=a.tokens, do_sample=False, **kw)
+
     run()
     clock = Clock(dev)
     run(streamer=clock)
-    steps = sorted(b - x for x, b in zip(clock.t[1:], clock.t[2:]))
+    steps = sorted(b - x for x, b in zip(clock.t[1:], clock.t[2:], strict=False))
     step = steps[len(steps) // 2] * 1e3
-    replay = replay_ms(model, ids, a.tokens, dev)
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
@@ -99,9 +98,9 @@ def main():
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.rows)
     print(s.getvalue())
+    replay, host, idle, busy = launch_probe(model, ids, a.length)
     print(f"{a.shape} L={a.length}: {step:.3f} ms/token in generate(), graph replay {replay:.3f} ms, "
           f"host gap {step - replay:.3f} ms/token")
-    host, idle, busy = launch_probe(model, ids, a.length)
     print(f"graph launch: host {host:.3f} ms, idle {idle:.3f} ms, busy {busy:.3f} ms, "
           f"exposed launch {idle - busy:.3f} ms")
 

@@ -1,22 +1,18 @@
 #!/usr/bin/env python
 """Kernel-level profile of one Quest decode step (the fixed-shape step, run eagerly) on a random model.
 
-    python scripts/profile_step.py --shape llama2-7b --length 32768 --budget 2048
-Prints the CUDA kernels by total time for one decode token (after warm-up).
+    python benchmarks/probes/profile_step.py --shape llama2-7b --length 32768 --budget 2048
+Prints the CUDA kernels by total time for one decode token (after warm-up); prints only (the committed
+outputs beside this file are its stdout).
 """
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import quest_hf.static  # noqa: E402
-from bench_e2e import build  # noqa: E402
-from quest_hf import QuestCache, patch_model  # noqa: E402
-from quest_hf.patch import cache_arg_name  # noqa: E402
+import quest_hf.static
+from quest_hf import QuestCache, patch_model
+from quest_hf.bench import random_llama
+from quest_hf.patch import cache_arg_name
 
 
 def main():
@@ -27,7 +23,7 @@ def main():
     p.add_argument("--gqa-mode", default="union")
     p.add_argument("--rows", type=int, default=18)
     a = p.parse_args()
-    model = build(a.shape, torch.float16, torch.device("cuda"), a.length + 64)
+    model = random_llama(a.shape, torch.float16, torch.device("cuda"), a.length + 64)
     patch_model(model, budget=a.budget, gqa_mode=a.gqa_mode, cuda_graph=True)
     quest_hf.static.CAPTURE = False
     ids = torch.randint(1, 1000, (1, a.length), device="cuda")

@@ -3,7 +3,7 @@
 
 A Quest decode step reads the page metadata (stage 1: scores), picks pages (stage 2: Top-K, a few KB), then
 reads the chosen pages' K/V (stage 3: attention). This script times, on the GPU, kernels that do only the
-memory traffic of each stage, with no math, as CUDA-graph replays with the clean timer of bench_kernels.py:
+memory traffic of each stage, with no math, as CUDA-graph replays timed by quest_hf.bench (the clean timer):
   read_meta    one kernel reading the metadata bytes of a layer (contiguous, summed), best launch setting
   gather_kv    one kernel reading the chosen pages' K and V through a page-id list, as the attention does
   boundary     one tiny dependent kernel (reads one value the previous kernel wrote): a graph kernel boundary
@@ -11,26 +11,52 @@ memory traffic of each stage, with no math, as CUDA-graph replays with the clean
 and compares them with the whole Quest step (`score_pages` + `topk_pages` + `sparse_decode_attention`) and
 with the time that the kernels issue's ratio targets need (SDPA / target).
 
-    PYTHONPATH=. python scripts/probe_floor.py --lengths 32768 131072
-    PYTHONPATH=. python scripts/probe_floor.py --shape llama3-8b --lengths 32768 --targets 4 --mode max
+    python benchmarks/probes/probe_floor.py --lengths 32768 131072
+    python benchmarks/probes/probe_floor.py --shape llama3-8b --lengths 32768 --targets 4 --mode max
+
+Writes probe_floor.json and .md to --out (default results/probe_floor/probe_floor.json); the committed ones
+beside this file came from `--out benchmarks/probes/...` (benchmarks/README.md).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton_kernels as tk
+from quest_hf.bench import copy_bandwidth, results_dir, time_graph
 
-from bench_kernels import PAGE, Step, bench, copy_bandwidth, make_layer, rotating  # noqa: E402
+PAGE = 16
+
+
+def make_layer(H, L, D, seed):
+    """A full batch-1 fp16 layer cache of L tokens (every page valid), its page min/max reduced from the keys."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kc = torch.randn(1, H, L, D, device="cuda", dtype=torch.float16, generator=g)
+    vc = torch.randn(1, H, L, D, device="cuda", dtype=torch.float16, generator=g)
+    pages = kc.view(1, H, L // PAGE, PAGE, D)
+    return kc, vc, pages.amin(3), pages.amax(3), torch.ones(1, L, dtype=torch.bool, device="cuda")
+
+
+def quest_step(probe, q, k, mode):
+    """The whole Quest step on a probe's layer (as scripts/bench_kernels.py's `Step.full`): union or max mode."""
+    G = q.shape[1] // probe.H
+    reduce, group = ("none", G) if mode == "union" else ("max", 1)
+    scale = q.shape[-1] ** -0.5
+
+    def full():
+        s = tk.score_pages(q, probe.kmin, probe.kmax, probe.L, PAGE, 0, reduce)
+        ids = tk.topk_pages(s, k, group)
+        return tk.sparse_decode_attention(q, probe.kc, probe.vc, ids, probe.valid, probe.L, PAGE, scale)
+
+    return full
 
 
 @triton.jit
@@ -75,7 +101,7 @@ class Probe:
     """One input set: a layer (MHA, batch 1) and random chosen pages per head."""
 
     def __init__(self, H, L, D, budget, seed):
-        self.kc, self.vc, self.kmin, self.kmax, self.valid = make_layer(1, H, L, D, torch.float16, seed)
+        self.kc, self.vc, self.kmin, self.kmax, self.valid = make_layer(H, L, D, seed)
         P, K = L // PAGE, budget // PAGE
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.ids = torch.rand(H, P, device="cuda", generator=g).argsort(1)[:, :K].sort(1).values.int().contiguous()
@@ -98,20 +124,9 @@ class Probe:
         return out
 
 
-def graph_of(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def timed(probes, make_fn):
-    graphs = [graph_of(make_fn(p)) for p in probes]
-    t = bench(rotating([g.replay for g in graphs]), rep=100)
-    del graphs
-    return t
+    """Median us of one graph replay, one graph per probe (input set), replays rotated."""
+    return time_graph([make_fn(p) for p in probes], rep_ms=100)
 
 
 def main(argv=None):
@@ -124,13 +139,15 @@ def main(argv=None):
                     help="layer shape: 32 query heads and 32 (MHA) or 8 (GQA) KV heads, head_dim 128")
     ap.add_argument("--mode", default="union", choices=["union", "max"],
                     help="the Quest step timed beside the probes (max: one choice per KV head, the probes' bytes)")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks"), "probe_floor.json"))
+    ap.add_argument("--out", default=None,
+                    help="JSON path, .md beside it (default results/probe_floor/probe_floor.json)")
     args = ap.parse_args(argv)
+    args.out = args.out or str(results_dir("probe_floor") / "probe_floor.json")
     Hq, H, D = 32, 32 if args.shape == "llama2-7b" else 8, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     rows = []
-    for L, target in zip(args.lengths, args.targets):
+    for L, target in zip(args.lengths, args.targets, strict=False):
         probes = [Probe(H, L, D, args.budget, seed) for seed in range(3)]  # rotated: what one replay reads > L2
         meta_bytes = probes[0].meta.numel() * 2
         kv_bytes = 2 * H * args.budget * D * 2
@@ -143,7 +160,7 @@ def main(argv=None):
         best_gather = min(gather, key=gather.get)
         boundary = timed(probes, lambda p: p.boundary)
 
-        def chain(p):
+        def chain(p, best_read=best_read, best_gather=best_gather):
             def run():
                 p.read_meta(*best_read)
                 p.boundary()
@@ -151,14 +168,13 @@ def main(argv=None):
             return run
 
         chain3 = timed(probes, chain)
-        steps = [Step((p.kc, p.vc, p.kmin, p.kmax, p.valid),
-                      torch.randn(1, Hq, D, device="cuda", dtype=torch.float16), args.budget // PAGE, args.mode)
-                 for p in probes]
-        quest = timed(steps, lambda s: s.full)
+        quest = timed(probes, lambda p: quest_step(p, torch.randn(1, Hq, D, device="cuda", dtype=torch.float16),
+                                                   args.budget // PAGE, args.mode))
         q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.float16)
-        sdpa = timed(probes, lambda p: (lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, p.kc, p.vc, enable_gqa=Hq != H)))
-        row = dict(shape=args.shape, mode=args.mode, length=L, budget=args.budget, meta_MB=meta_bytes / 1e6, kv_MB=kv_bytes / 1e6,
+        sdpa = timed(probes, lambda p, q=q: partial(torch.nn.functional.scaled_dot_product_attention,
+                                                    q, p.kc, p.vc, enable_gqa=Hq != H))
+        row = dict(shape=args.shape, mode=args.mode, length=L, budget=args.budget, meta_MB=meta_bytes / 1e6,
+                   kv_MB=kv_bytes / 1e6,
                    copy_GBps=bw / 1e9, byte_limit_us=(meta_bytes + kv_bytes) / bw * 1e6,
                    read_meta_us=read[best_read], read_meta_setting=list(best_read),
                    read_meta_GBps=meta_bytes / read[best_read] / 1e3,
@@ -169,19 +185,22 @@ def main(argv=None):
                    read_all={str(k): v for k, v in read.items()}, gather_all={str(k): v for k, v in gather.items()})
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
-        del probes, steps
+        del probes
         torch.cuda.empty_cache()
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__,
-                command="python scripts/probe_floor.py " + " ".join(sys.argv[1:]))
+                command="python benchmarks/probes/probe_floor.py " + " ".join(sys.argv[1:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    lines = [f"{args.shape}, Quest step in {args.mode} mode", "", "| L | byte limit us | read meta us (GB/s) | gather K/V us (GB/s) | boundary us | chain3 us | Quest step us "
-             "| SDPA us | target us | x chain3 | x Quest |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"{args.shape}, Quest step in {args.mode} mode", "",
+             "| L | byte limit us | read meta us (GB/s) | gather K/V us (GB/s) | boundary us | chain3 us "
+             "| Quest step us | SDPA us | target us | x chain3 | x Quest |", "|---" * 11 + "|"]
     for r in rows:
-        lines.append(f"| {r['length']} | {r['byte_limit_us']:.1f} | {r['read_meta_us']:.1f} ({r['read_meta_GBps']:.0f}) | "
-                     f"{r['gather_kv_us']:.1f} ({r['gather_kv_GBps']:.0f}) | {r['boundary_us']:.1f} | {r['chain3_us']:.1f} | "
+        lines.append(f"| {r['length']} | {r['byte_limit_us']:.1f} "
+                     f"| {r['read_meta_us']:.1f} ({r['read_meta_GBps']:.0f}) | "
+                     f"{r['gather_kv_us']:.1f} ({r['gather_kv_GBps']:.0f}) | {r['boundary_us']:.1f} "
+                     f"| {r['chain3_us']:.1f} | "
                      f"{r['quest_step_us']:.1f} | {r['sdpa_us']:.1f} | {r['target_us']:.1f} | {r['x_chain3']:.2f} | "
                      f"{r['x_quest']:.2f} |")
     md = "\n".join(lines)

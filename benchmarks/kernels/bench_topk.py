@@ -4,9 +4,11 @@ Rows are the score matrices a decode step hands to `topk_pages` (fp32 `[B, R, P]
 page forced to +inf): MHA (R = 32 KV heads, group 1), GQA union (R = 32 query heads, groups of 4) and GQA
 shared score (R = 8), at P = 2048 (32K tokens), 2053 (a static cache of 32K + 128 tokens + a spare page:
 what the captured decode sees) and 8192 (128K), batch 1 and 8. Each kernel is timed as a CUDA-graph replay
-(CUDA events, median, rotating over 4 input sets) and checked against `topk_pages_ref`.
+(quest_hf.bench's timer, median, rotating over 4 input sets) and checked against `topk_pages_ref`.
 
-    PYTHONPATH=. python scripts/bench_topk.py [--other path/to/old_topk.py] [--warps 1 2 4 8]
+    python benchmarks/kernels/bench_topk.py [--other path/to/old_topk.py] [--configs KEYS_PER_THREAD=32,...]
+
+Writes bench_topk.json and .md into --out (default results/bench_topk/); round 3's are in kernels/round3/.
 """
 import argparse
 import datetime
@@ -14,41 +16,30 @@ import importlib.util
 import json
 import os
 import sys
+from functools import partial
 
 import torch
 
 import triton_kernels as tk
+from quest_hf.bench import results_dir, time_graph
 from triton_kernels import topk as topk_mod
 
 CASES = [  # name, B, R, P, k, group
     ("mha-32K", 1, 32, 2048, 128, 1), ("mha-static-32K", 1, 32, 2053, 129, 1), ("mha-128K", 1, 32, 8192, 128, 1),
-    ("union4-32K", 1, 32, 2048, 128, 4), ("union4-static-32K", 1, 32, 2053, 129, 4), ("union4-128K", 1, 32, 8192, 128, 4),
+    ("union4-32K", 1, 32, 2048, 128, 4), ("union4-static-32K", 1, 32, 2053, 129, 4),
+    ("union4-128K", 1, 32, 8192, 128, 4),
     ("shared-32K", 1, 8, 2048, 128, 1), ("mha-32K-B8", 8, 32, 2048, 128, 1), ("union4-32K-B8", 8, 32, 2048, 128, 4),
     ("mha-4K", 1, 32, 256, 128, 1),
 ]
 
 
 def graph_us(fn, sets, reps=200):
-    for s in sets:
-        fn(s)
-    torch.cuda.synchronize()
-    graphs = []
-    for s in sets:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(s)
-        graphs.append(g)
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for i, (a, b) in enumerate(ev):
-        torch.cuda._sleep(20000)
-        a.record()
-        graphs[i % len(graphs)].replay()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2] * 1e3
+    """Median us of one graph replay of `fn(s)`, one graph per input set, replays rotated."""
+    return time_graph([lambda s=s: fn(s) for s in sets], iters=reps)
+
+
+def call(fn, s, k, group):
+    return fn(s, k, group)
 
 
 def same_selection(ids, ref, s, group):
@@ -56,7 +47,9 @@ def same_selection(ids, ref, s, group):
         return True
     if group != 1 or not torch.equal((ids < 0).sum(-1), (ref < 0).sum(-1)):
         return False
-    pick = lambda x: torch.where(x >= 0, s.gather(-1, x.clamp(min=0).long()), 0.0).sort(-1).values
+    def pick(x):
+        return torch.where(x >= 0, s.gather(-1, x.clamp(min=0).long()), 0.0).sort(-1).values
+
     return torch.equal(pick(ids), pick(ref))
 
 
@@ -65,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--other", help="a file defining topk_pages(scores, k, group) to time beside the repo's")
     ap.add_argument("--configs", nargs="*", default=[],
                     help="module settings to try as well, e.g. KEYS_PER_THREAD=32,MAX_TILE=32768,MAX_WARPS=16")
+    ap.add_argument("--out", default=None, help="output folder (default results/bench_topk/)")
     args = ap.parse_args(argv)
     impls = {"repo": tk.topk_pages}
     defaults = {n: getattr(topk_mod, n) for n in ("KEYS_PER_THREAD", "MAX_TILE", "MAX_WARPS")}
@@ -89,7 +83,7 @@ def main(argv=None):
     rows = []
     for name, B, R, P, k, group in CASES:
         sets = []
-        for i in range(4):
+        for _ in range(4):
             s = torch.randn(B, R, P, device="cuda") * 3 + 20
             s[..., -1] = float("inf")
             sets.append(s)
@@ -98,14 +92,14 @@ def main(argv=None):
         for iname, fn in impls.items():
             try:
                 ok = same_selection(fn(sets[0], k, group), ref, sets[0], group)
-                row[iname] = graph_us(lambda s: fn(s, k, group), sets)
+                row[iname] = graph_us(partial(call, fn, k=k, group=group), sets)
                 row[iname + "_ok"] = ok
             except Exception as e:  # a configuration that does not compile is reported, not fatal
                 row[iname] = None
                 row[iname + "_err"] = f"{type(e).__name__}: {str(e)[:160]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+    out = args.out or str(results_dir("bench_topk"))
     os.makedirs(out, exist_ok=True)
     import triton
 
@@ -117,7 +111,8 @@ def main(argv=None):
         f.write(f"# Top-K kernel alone (CUDA-graph replay, us)\n\n{json.dumps(meta)}\n\n")
         f.write("| case | " + " | ".join(impls) + " |\n|---|" + "---|" * len(impls) + "\n")
         for r in rows:
-            cells = [f"{r[i]:.1f}{'' if r.get(i + '_ok') else ' (WRONG)'}" if r[i] is not None else "fail" for i in impls]
+            cells = [f"{r[i]:.1f}{'' if r.get(i + '_ok') else ' (WRONG)'}" if r[i] is not None else "fail"
+                     for i in impls]
             f.write(f"| {r['case']} | " + " | ".join(cells) + " |\n")
 
 

@@ -1,0 +1,234 @@
+"""Shared by the benchmark and evaluation scripts: one CUDA timer, one copy-bandwidth probe, the results block.
+
+Every figure in `benchmarks/` that is a GPU time comes from `time_calls` / `time_graph` (the "clean timer" of
+`scripts/bench_kernels.py`, whose figures are committed): after a warm-up, each timed call is preceded by
+~20 us of GPU spinning (no memory traffic) so the CPU has queued it before the GPU gets there, bracketed by
+two CUDA events, and the median over the calls is reported in microseconds. Nothing flushes L2 (a flush
+leaves dirty lines the timed call must write back); callers rotate over enough input sets instead
+(`rotating`, or several callables to `time_graph`) that no timed call finds its inputs in L2.
+
+`copy_bandwidth` is the byte limit every "fraction of the byte limit" column divides by: a 1 GiB
+device-to-device copy, bytes read + written, timed by the same clock.
+
+Imports torch and the standard library only (transformers lazily, in `environment` and `random_llama`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["time_calls", "time_graph", "capture", "rotating", "copy_bandwidth", "wall_time_us", "Clock",
+           "LAYER_SHAPES", "MODEL_SHAPES", "random_llama", "results_dir", "environment", "model_tag", "DTYPES",
+           "ints", "add_model_args", "write_report"]
+
+SPIN_CYCLES = 40000  # torch.cuda._sleep cycles before each timed call: ~20 us on an H200
+
+# One decode-attention layer of a real model: (H_q, H_kv, D).
+LAYER_SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+
+# Random-weight Llama models (speed does not depend on the weights' values), and a tiny one for CPU smoke runs.
+MODEL_SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000),
+}
+
+
+# --------------------------------------------------------------------------------------------------- timing
+
+
+def time_calls(fn: Callable[[], object], *, warmup: int = 3, rep_ms: float = 12.0, iters: int | None = None,
+               before: Callable[[], object] | None = None, spin_cycles: int = SPIN_CYCLES) -> float:
+    """Median microseconds of `fn()` on the current CUDA device.
+
+    `warmup` calls first; then `iters` timed calls, or (default) as many as fit in about `rep_ms` of GPU
+    time (estimated from 5 calls), clamped to [10, 400]. Each timed call: `before()` if given (not timed),
+    `spin_cycles` of GPU spinning (0: launch onto whatever the GPU is doing), a CUDA event, `fn()`, a
+    CUDA event. `fn` may be a graph's `replay` (see `time_graph`) or plain launches."""
+    def call():
+        if before is not None:
+            before()
+        return fn()
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    if iters is None:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+        per_call = max((time.perf_counter() - t0) / 5, 1e-6)
+        iters = max(10, min(400, int(rep_ms * 1e-3 / per_call)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        if before is not None:
+            before()
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in events)[iters // 2] * 1e3
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after one eager call on a side stream (compiles, allocates)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def rotating(fns: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that calls `fns` in turn (input sets rotated so that no call finds its inputs in L2)."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] += 1
+        return fns[state["i"] % len(fns)]()
+
+    return call
+
+
+def time_graph(fns: Callable[[], object] | Sequence[Callable[[], object]], **kw) -> float:
+    """Median microseconds of one CUDA-graph replay: each callable (one per input set) captured in its own
+    graph, the replays rotated over them and timed by `time_calls` (same keywords)."""
+    fns = [fns] if callable(fns) else list(fns)
+    graphs = [capture(f) for f in fns]
+    try:
+        return time_calls(rotating([g.replay for g in graphs]), **kw)
+    finally:
+        del graphs
+
+
+def copy_bandwidth(device="cuda", nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, bytes read + written, of one `nbytes` copy (timed by
+    `time_calls`, ~100 ms of repeats): the byte limit that "fraction of the byte limit" divides by."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    y = torch.empty_like(x)
+    t = time_calls(lambda: y.copy_(x), rep_ms=100)
+    return 2 * nbytes / (t * 1e-6)
+
+
+def wall_time_us(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5) -> float:
+    """Median wall-clock microseconds of `fn()`: only for CPU smoke runs (`--tiny`) of the GPU benchmarks."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+class Clock:
+    """A `generate()` streamer that timestamps the prompt and every new token (per-token latency as a user sees it).
+
+    It does not synchronise: generate() hands it tokens already copied to the host (`.cpu()` after the step,
+    or, with the deferred stop check, after waiting on the step's event), so the timestamps are spaced by
+    the per-token time the user sees; a sync here would undo the deferred check's overlap."""
+
+    def __init__(self, device=None):
+        self.device, self.t = device, []
+
+    def put(self, value):
+        self.t.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def random_llama(shape: str, dtype, device, max_len: int):
+    """A random-weight `LlamaForCausalLM` of `MODEL_SHAPES[shape]` (SDPA attention, no EOS), in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**MODEL_SHAPES[shape], max_position_embeddings=max(max_len, 4096), attn_implementation="sdpa",
+                      eos_token_id=None, pad_token_id=0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# --------------------------------------------------------------------------------------------------- results
+
+
+def results_dir(name: str) -> Path:
+    """`results/<name>` under the current folder (created): where a script writes unless told `--out`.
+    `results/` is untracked; committed results under `benchmarks/` are written with an explicit `--out`."""
+    path = Path("results", name)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def model_tag(name):
+    return "smollm2" if name is None else os.path.basename(name.rstrip("/")).lower()
+
+
+def environment(device):
+    """Date, versions, machine and command, for the header of a results file."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import transformers
+
+    machine = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        machine = f"{torch.cuda.get_device_name(device)} ({machine})"
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
+                torch=torch.__version__, transformers=transformers.__version__, machine=machine,
+                device=str(device), command="python " + " ".join(sys.argv))
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def ints(s: str) -> list[int]:
+    """`"64,128"` -> `[64, 128]`."""
+    return [int(x) for x in s.split(",") if x]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model / device / dtype / threads arguments every evaluation script takes."""
+    p.add_argument("--model", default=None, help="local folder or Hub id (default: SmolLM2-135M-Instruct, offline)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy box)")
+
+
+def write_report(out: str, report: dict, title: str, notes: list[str], lines: list[str]) -> None:
+    """`report` as JSON at `out`, and beside it a markdown file: title, the environment block
+    (`report["env"]`), `notes` (bullet lines) and the table `lines`."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1, ensure_ascii=False)
+    env = report["env"]
+    md = [f"# {title}", "", f"- command: `{env['command']}`", f"- date: {env['date']}",
+          f"- versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}",
+          f"- machine: {env['machine']} (device {env['device']})", *notes, "", *lines, ""]
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write("\n".join(md))
