@@ -312,10 +312,11 @@ def check_supported(model, *, allow_hybrid: bool = False) -> list[LayerAttention
             raise ValueError(f"quest-hf: layer {i}'s {type(mixer).__name__} has layer_idx "
                              f"{getattr(mixer, 'layer_idx', None)!r}; the cache is indexed by layer: they must agree")
         _check_attention_code(i, mixer)
-    n_attn = sum(1 for m in model.modules() if _is_attention_module(m))
+    decoder, _ = _decoder_layers(model)  # a vision tower's attention has no slot in the text cache: not counted
+    n_attn = sum(1 for m in decoder.modules() if _is_attention_module(m))
     if n_attn != len(attention):
-        raise ValueError(f"quest-hf: found {n_attn} attention modules for {len(attention)} attention layers "
-                         f"({len(layers)} layers); this model layout is not supported")
+        raise ValueError(f"quest-hf: found {n_attn} attention modules in the decoder for {len(attention)} attention "
+                         f"layers ({len(layers)} layers); this model layout is not supported")
     return describe(model)
 
 
