@@ -77,8 +77,12 @@ def _decoder_layers(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     """(decoder, its layer list): the module list of `num_hidden_layers` layers of the text decoder."""
     text_cfg = model.config.get_text_config()
     n = text_cfg.num_hidden_layers
-    base = getattr(model, "base_model", model)
-    for root in (base, model):
+    roots = [getattr(model, "base_model", model), model]
+    try:  # multimodal models: the text decoder, not a vision encoder that may have as many layers
+        roots.insert(0, model.get_decoder())
+    except (AttributeError, NotImplementedError, ValueError):
+        pass
+    for root in roots:
         for _, module in root.named_modules():
             layers = getattr(module, "layers", None)
             if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:

@@ -337,3 +337,21 @@ def test_window_is_what_the_mask_does(family, overrides):
     torch.testing.assert_close(masked_reference_logits(model, ids, mask, keep), full, atol=1e-5, rtol=1e-5)
     keep[sliding[-1].layer_idx][..., L - sliding[-1].window] = False
     assert (masked_reference_logits(model, ids, mask, keep) - full).abs().max() > 1e-4
+
+
+def test_multimodal_reads_the_text_decoder():
+    """Gemma 3 with a vision tower of as many layers as the text decoder: describe() reads the text layers (sliding
+    window, query_pre_attn_scalar scaling), not the vision encoder that comes first among the modules."""
+    if missing_reason("gemma3"):
+        pytest.skip(missing_reason("gemma3"))
+    text = tf.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                               query_pre_attn_scalar=32, pad_token_id=0)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   image_size=28, patch_size=14)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299, boi_token_index=297,
+        eoi_token_index=298))
+    layers = check_supported(model)
+    assert [(a.layer_idx, a.kind, a.window) for a in layers] == [(0, "sliding", 8), (1, "sliding", 8)]
+    assert all(a.scaling == pytest.approx(32 ** -0.5) and a.qk_norm for a in layers)
