@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 # Layer types (config.layer_types) of softmax attention over a KV cache, and what they are called here.
-ATTENTION_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+ATTENTION_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+                         "attention": "full"}  # the last: `layers_block_type` of Jamba/Zamba configs
 # Layer types whose state is recurrent (no per-token keys): transformers keeps them in its own cache layers
 # (`LinearAttentionLayer`), so a hybrid can leave them untouched. "hybrid"/"hybrid_sliding" layers hold both in one.
 RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent", "rwkv", "deltanet"}
@@ -189,8 +190,7 @@ def _layers(model):
 
 
 def _is_attention(layer_type: str | None, mixer) -> bool:
-    if mixer is None or (layer_type is not None and layer_type not in ATTENTION_LAYER_TYPES
-                         and layer_type != "attention"):
+    if mixer is None or (layer_type is not None and layer_type not in ATTENTION_LAYER_TYPES):
         return False
     return not _is_recurrent(mixer) or bool(_INTERFACE_CALL.search(_code(_source(type(mixer).forward))))
 
