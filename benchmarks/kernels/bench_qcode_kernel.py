@@ -30,12 +30,12 @@ from functools import partial
 if "--tiny" in sys.argv:  # CPU smoke test: Triton reads TRITON_INTERPRET when first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402 (after TRITON_INTERPRET is set)
-import triton  # noqa: E402
+import torch
+import triton
 
-import triton_kernels as tk  # noqa: E402
-from quest_hf.bench import LAYER_SHAPES, copy_bandwidth, results_dir, time_graph, wall_time_us  # noqa: E402
-from triton_kernels import key_codes  # noqa: E402
+import triton_kernels as tk
+from quest_hf.bench import LAYER_SHAPES, copy_bandwidth, results_dir, time_graph, wall_time_us
+from triton_kernels import key_codes
 
 SHAPES = LAYER_SHAPES  # (H_q, H_kv, D)
 PAGE = 16

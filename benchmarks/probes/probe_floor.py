@@ -14,8 +14,8 @@ with the time that the kernels issue's ratio targets need (SDPA / target).
     python benchmarks/probes/probe_floor.py --lengths 32768 131072
     python benchmarks/probes/probe_floor.py --shape llama3-8b --lengths 32768 --targets 4 --mode max
 
-Writes probe_floor.json and .md to --out (default results/probe_floor/probe_floor.json); the committed ones
-beside this file came from `--out benchmarks/probes/...` (benchmarks/README.md).
+Writes probe_floor.json and .md to --out (default results/probe_floor/probe_floor.json). The committed ones
+beside this file were written by it when it lived in scripts/ (benchmarks/README.md).
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ maximum, and the top-10 recall of pages chosen (union per KV group) by: quest's 
     python benchmarks/accuracy/selector/selector_analysis.py --length 4096     # ~5 min on 2 CPU cores
 
 Writes --out (default results/selector_analysis/selector_analysis.json; per layer) and prints the table quoted
-in docs/selector.md; the committed selector_analysis.json beside this file came from `--out` (benchmarks/README.md).
+in docs/selector.md. The committed selector_analysis.json beside this file was written by this script when it
+lived in scripts/ and wrote to benchmarks/ (benchmarks/README.md).
 """
 
 import argparse

@@ -10,8 +10,8 @@ exact q.k over the whole context) inside the pages its KV head reads, and the by
     python benchmarks/accuracy/selector/selector_recall.py          # 4K, budgets 64..512, quest/qcode/qcode1/qcode_topp
     python benchmarks/accuracy/selector/selector_recall.py --lengths 2048 --budgets 64 128
 
-Writes --out (default results/selector_recall/selector_recall.json) and a .md beside it; the committed
-selector_recall*.{json,md} beside this file were written with --out (benchmarks/README.md).
+Writes --out (default results/selector_recall/selector_recall.json) and a .md beside it. The committed
+selector_recall*.{json,md} beside this file were written by it when it lived in scripts/ (benchmarks/README.md).
 """
 from __future__ import annotations
 
