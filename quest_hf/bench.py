@@ -1,7 +1,7 @@
 """Shared by the benchmark and evaluation scripts: one CUDA timer, one copy-bandwidth probe, the results block.
 
-Every figure in `benchmarks/` that is a GPU time comes from `time_calls` / `time_graph` (the "clean timer" of
-`scripts/bench_kernels.py`, whose figures are committed): after a warm-up, each timed call is preceded by
+Every GPU time a benchmark script reports comes from `time_calls` / `time_graph` (the "clean timer" that
+`scripts/bench_kernels.py`'s committed figures were taken with): after a warm-up, each timed call is preceded by
 ~20 us of GPU spinning (no memory traffic) so the CPU has queued it before the GPU gets there, bracketed by
 two CUDA events, and the median over the calls is reported in microseconds. Nothing flushes L2 (a flush
 leaves dirty lines the timed call must write back); callers rotate over enough input sets instead
