@@ -1,17 +1,26 @@
 """QuestCache: HF `Cache` of paged K/V plus per-page key min/max (arXiv 2406.10774).
 
-One `QuestLayer` per model layer owns the storage; `QuestCache` only builds the list of layers and
-carries the step information (which new tokens are padding) from the model's forward to them.
-Storage per layer (see `triton_kernels/_contract.md`):
+One `QuestLayer` per model layer owns the storage; `QuestCache` is only the list of its layers plus the step
+information (which new tokens are padding) handed from the model's forward to them. Storage per layer (see
+`triton_kernels/_contract.md`), allocated once at a fixed capacity:
 
-    keys, values  [B, H_kv, C, D]       slot order; page p = slots [p*S, (p+1)*S); C grows x1.5
-    kmin, kmax    [B, H_kv, C // S, D]  element-wise min/max of each page's valid keys (+inf/-inf: empty)
-    valid         [B, C] bool            False for padding and unwritten slots
+    keys, values  [B, H_kv, C + S, D]       slot order; page p = slots [p*S, (p+1)*S); the last page is a spare
+    kmin, kmax    [B, H_kv, (C + S) // S, D] element-wise min/max of each page's valid keys (+inf/-inf: empty)
+    valid         [B, C + S] bool            False for padding and unwritten slots
+    pos           int64 scalar on the device  the write position (= seq_len, the host mirror)
+
+`C` (`layer.max_tokens`; `layer.capacity` is `C + S`) is what `generate()` will need (prompt + new tokens) or, for a cache driven by hand,
+what it has seen so far plus one growth step; a sequence that outgrows it is moved to a larger allocation
+(an eighth more, at least `GROWTH_TOKENS`: amortised, and never more than one growth step over need).
+
+A one-token append is one kernel at the device position `pos`, so a decode step keeps fixed shapes and no host
+state: the same step runs eagerly (CPU, `cuda_graph=False`) and is captured as a CUDA graph by the caller
+(`quest_hf.graph`). The spare page past `C` is never written: it is the kernels' own always-chosen page
+(`score_pages` forces page `P - 1`), so selecting `K + 1` pages over the whole allocation costs no token.
 """
 from __future__ import annotations
 
 import copy as _copy
-from dataclasses import replace as _replace
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -21,7 +30,8 @@ import triton_kernels as tk
 from .config import QuestConfig
 from .ops import Ops, resolve_backend
 
-_MIN_CAPACITY = 256
+# A cache driven by hand (no known length) grows by an eighth of its capacity, at least this many tokens.
+GROWTH_TOKENS = 256
 
 
 class _Step:
@@ -29,10 +39,11 @@ class _Step:
 
     def __init__(self):
         self.valid_new: torch.Tensor | None = None
+        self.pinned: torch.Tensor | None = None  # a captured step's own [B, 1] input buffer (quest_hf.graph)
         self._moved: dict[torch.device, torch.Tensor] = {}
 
     def set(self, valid_new: torch.Tensor | None):
-        self.valid_new, self._moved = valid_new, {}
+        self.valid_new, self._moved = (self.pinned if self.pinned is not None else valid_new), {}
 
     def get(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
         v = self.valid_new
@@ -49,26 +60,34 @@ class _Step:
 
 
 class QuestLayer(CacheLayerMixin):
-    """Paged K/V and key min/max of one model layer. `keys`/`values` are the full-capacity buffers;
-    `seq_len` slots of them are filled. `ops` is the backend that runs on this layer (`ops.name`)."""
+    """Paged K/V and key min/max of one model layer, at a fixed capacity (module docstring).
 
-    is_compileable = False
+    `seq_len` slots are filled (host int); `pos` is the same count on the device, which a one-token append
+    reads and advances. `ops` is the backend that runs on this layer (`ops.name`). `side` holds selectors'
+    per-slot tensors `[B, H_kv, C + S, ...]` (moved, reordered and batch-edited with the pages) and
+    `side_state` their host bookkeeping (cleared by `reset`).
+    """
+
+    is_compileable = False  # generate() must not compile the step itself: quest_hf.graph captures it
     is_sliding = False  # every token is kept; a sliding window is applied at attention time
     is_croppable = True
 
-    def __init__(self, config: QuestConfig, step: _Step | None = None):
+    def __init__(self, config: QuestConfig, step: _Step | None = None, capacity: int | None = None):
         super().__init__()
         self.config = config
         self._step = step or _Step()
         self.seq_len = 0
-        self.kmin = self.kmax = self.valid = None
-        self.side: dict[str, torch.Tensor] = {}  # selectors' per-slot buffers [B, H_kv, C, ...]
+        self.reserved = capacity  # tokens the first allocation holds (None: the first update's + one growth step)
+        self.kmin = self.kmax = self.valid = self.pos = None
+        self.side: dict[str, torch.Tensor] = {}
+        self.side_state: dict = {}
         self.ops: Ops | None = None
+        self.allocations = 0  # counts buffer moves: a captured step holds the addresses of the last one
+        self._dense_ids: torch.Tensor | None = None
 
     def __repr__(self):
-        cap = 0 if self.keys is None else self.keys.shape[2]
         backend = self.ops.name if self.ops else "?"
-        return f"QuestLayer(seq_len={self.seq_len}, capacity={cap}, backend={backend})"
+        return f"QuestLayer(seq_len={self.seq_len}, capacity={self.capacity}, backend={backend})"
 
     @property
     def page_size(self) -> int:
@@ -76,66 +95,115 @@ class QuestLayer(CacheLayerMixin):
 
     @property
     def capacity(self) -> int:
+        """Slots of the buffers (the `C` of the kernels' contract), the spare page included."""
         return 0 if self.keys is None else self.keys.shape[2]
 
+    @property
+    def max_tokens(self) -> int:
+        """Tokens this layer holds before it must grow: the capacity less the spare page."""
+        return 0 if self.keys is None else self.keys.shape[2] - self.page_size
+
+    @property
+    def selector(self):
+        from .selectors import selector_for
+
+        return selector_for(self.config.policy)
+
+    # ----------------------------------------------------------------------------------------- storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dtype not in tk._common.KV_DTYPES:
             raise TypeError(f"QuestCache stores fp16, bf16 or fp32 keys, got {key_states.dtype}")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.ops = resolve_backend(self.config.backend, self.device)
-        B, H, _, D = key_states.shape
-        self.keys = key_states.new_zeros(B, H, 0, D)
-        self.values = value_states.new_zeros(B, H, 0, value_states.shape[-1])
-        self.kmin = key_states.new_zeros(B, H, 0, D)
-        self.kmax = key_states.new_zeros(B, H, 0, D)
-        self.valid = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        B, H, T, D = key_states.shape
+        self.keys = self.values = None
+        self._shape = (B, H, D, value_states.shape[-1])
+        self.pos = torch.zeros((), dtype=torch.long, device=self.device)
         self.is_initialized = True
+        need = max(T, self.reserved or 0)
+        self._allocate(need if self.reserved and self.reserved >= T else need + self._growth(need))
 
-    def _reserve(self, needed: int) -> None:
-        """Grow every buffer geometrically so that `needed` slots fit (amortised O(1) per token)."""
-        old = self.capacity
-        if needed <= old:
-            return
-        self._allocate(max(needed, old + old // 2, _MIN_CAPACITY))
+    def _growth(self, tokens: int) -> int:
+        return max(tokens // 8, GROWTH_TOKENS)
+
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` tokens (a larger allocation, one growth step past the need, if they don't fit)."""
+        if needed > self.max_tokens:
+            self._allocate(max(needed, self.max_tokens + self._growth(self.max_tokens)))
 
     def _allocate(self, tokens: int) -> None:
-        """Move the buffers to a capacity of `tokens` rounded up to whole pages, keeping what is stored."""
-        S, old = self.page_size, self.capacity
-        cap = -(-tokens // S) * S
-        B, H, _, D = self.keys.shape
+        """Move to buffers of `tokens` slots (rounded up to pages) plus the spare page, keeping what is stored."""
+        S = self.page_size
+        cap = -(-tokens // S) * S + S
+        B, H, D, Dv = self._shape
+        dev, dt = self.device, self.dtype
         # Zero-filled so that no unwritten slot can leak NaN into a masked-out product.
-        keys, values = self.keys.new_zeros(B, H, cap, D), self.values.new_zeros(B, H, cap, self.values.shape[-1])
-        kmin = self.kmin.new_full((B, H, cap // S, D), float("inf"))
-        kmax = self.kmax.new_full((B, H, cap // S, D), float("-inf"))
-        valid = self.valid.new_zeros(B, cap)
-        n, p = self.seq_len, old // S
-        keys[:, :, :n], values[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
-        kmin[:, :, :p], kmax[:, :, :p], valid[:, :old] = self.kmin, self.kmax, self.valid
+        keys, values = torch.zeros(B, H, cap, D, dtype=dt, device=dev), torch.zeros(B, H, cap, Dv, dtype=dt, device=dev)
+        kmin = torch.full((B, H, cap // S, D), float("inf"), dtype=dt, device=dev)
+        kmax = torch.full((B, H, cap // S, D), float("-inf"), dtype=dt, device=dev)
+        valid = torch.zeros(B, cap, dtype=torch.bool, device=dev)
+        if self.keys is not None:
+            n, p = self.seq_len, -(-self.seq_len // S)
+            keys[:, :, :n], values[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n]
+            kmin[:, :, :p], kmax[:, :, :p], valid[:, :n] = self.kmin[:, :, :p], self.kmax[:, :, :p], self.valid[:, :n]
+            for name, t in self.side.items():
+                grown = t.new_zeros(t.shape[0], t.shape[1], cap, *t.shape[3:])
+                grown[:, :, :n] = t[:, :, :n]
+                self.side[name] = grown
         self.keys, self.values, self.kmin, self.kmax, self.valid = keys, values, kmin, kmax, valid
-        for name, t in self.side.items():
-            grown = t.new_zeros(t.shape[0], t.shape[1], cap, *t.shape[3:])
-            grown[:, :, :old] = t
-            self.side[name] = grown
+        self._dense_ids = None
+        self.allocations += 1
 
+    # ------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append `key_states/value_states [B, H_kv, T, D]`; return the filled K/V `[B, H_kv, seq_len, D]` (views)."""
+        """Append `key_states/value_states [B, H_kv, T, D]`.
+
+        Returns the filled K/V `[B, H_kv, seq_len, D]` (views) for a multi-token forward (prefill, run by HF's
+        dense attention), and the whole fixed-shape buffers for a one-token forward (decode, run by Quest's
+        attention from this layer's pages, never from what is returned).
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, T, D = key_states.shape
-        if (B, H, D) != (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3]):
+        if (B, H, D) != self._shape[:3]:
             raise ValueError(
-                f"this QuestCache holds batch {self.keys.shape[0]} x {self.keys.shape[1]} KV heads x head_dim "
-                f"{self.keys.shape[3]}, got keys {tuple(key_states.shape)}; use a new QuestCache for a new batch"
+                f"this QuestCache holds batch {self._shape[0]} x {self._shape[1]} KV heads x head_dim "
+                f"{self._shape[2]}, got keys {tuple(key_states.shape)}; use a new QuestCache for a new batch"
             )
         if key_states.dtype != self.dtype:
             raise TypeError(f"this QuestCache stores {self.dtype} keys, got {key_states.dtype}")
-        self._reserve(self.seq_len + T)
+        start = self.seq_len
+        self.reserve(start + T)
         valid_new = self._step.get(T, self.device)
-        self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
-                           key_states, value_states, valid_new, self.seq_len)
-        self._selector.on_append(self, key_states, self.seq_len, valid_new)
-        self.seq_len += T
+        if T == 1:  # the device position: no host value enters the step, so a graph replay stays right
+            self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.valid,
+                                     key_states, value_states, valid_new, self.pos)
+            self.pos += 1
+        else:
+            self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
+                               key_states, value_states, valid_new, start)
+            self.pos.fill_(start + T)
+        self.selector.on_append(self, key_states, start, valid_new)
+        self.seq_len = start + T
+        if T == 1:
+            return self.keys, self.values
         return self.keys[:, :, : self.seq_len], self.values[:, :, : self.seq_len]
+
+    def dense_pages(self, window: int = 0) -> torch.Tensor:
+        """int32 `[B, H_kv, N]` page ids of a dense decode step: every page of the allocation, or with a sliding
+        `window` the `ceil(window / S) + 1` pages from the window's first one (later ones -1), on the device."""
+        S = self.page_size
+        P = self.keys.shape[2] // S
+        B, H = self._shape[:2]
+        if not window:
+            if self._dense_ids is None:
+                self._dense_ids = torch.arange(P, dtype=torch.int32, device=self.device).expand(B, H, P)
+            return self._dense_ids
+        n = min(P, -(-window // S) + 1)
+        first = tk.score.window_start_at(self.pos, window, S)
+        ids = first + torch.arange(n, device=self.device)
+        cur = torch.div(self.pos - 1, S, rounding_mode="floor")
+        return torch.where(ids <= cur, ids, -1).to(torch.int32).expand(B, H, n)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0
@@ -144,30 +212,32 @@ class QuestLayer(CacheLayerMixin):
         return self.seq_len
 
     def get_max_length(self) -> int:
-        return -1
+        return -1  # it grows
 
-    # Everything below acts on all five buffers (the mixin's versions only know keys/values).
-    @property
-    def _selector(self):
-        from .selectors import SELECTORS
-
-        return SELECTORS.get(self.config.policy, SELECTORS["quest"])  # "oracle" keeps no side state
-
+    # Everything below acts on every buffer (the mixin's versions only know keys/values).
     def _map(self, fn) -> None:
         if self.is_initialized:
             for name in ("keys", "values", "kmin", "kmax", "valid"):
                 setattr(self, name, fn(getattr(self, name)))
             self.side = {name: fn(t) for name, t in self.side.items()}
+            self._shape = (self.keys.shape[0], *self._shape[1:])
+            self._dense_ids = None
+            self.allocations += 1
 
     def reset(self) -> None:
         if self.is_initialized:
             self.kmin.fill_(float("inf"))
             self.kmax.fill_(float("-inf"))
             self.valid.zero_()
+            self.pos.zero_()
+        self.side_state.clear()
         self.seq_len = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        # In place: a captured step holds these addresses.
+        if self.is_initialized:
+            for t in (self.keys, self.values, self.kmin, self.kmax, self.valid, *self.side.values()):
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -201,74 +271,63 @@ class QuestLayer(CacheLayerMixin):
         self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
                            keep_k, keep_v, keep_valid, start)
         self.seq_len = new_len
+        self.pos.fill_(new_len)
+        self.selector.on_crop(self, new_len)
 
 
 class QuestCache(Cache):
     """A `transformers.Cache` for Quest sparse decoding: one `QuestLayer` per model layer.
 
-    `generate()` of a patched model builds one by itself. To drive the model yourself, build one from
-    the patched model and pass it as the cache argument::
+    `generate()` of a patched model builds one by itself, sized for prompt + new tokens. To drive the model
+    yourself, build one from the patched model and pass it as the cache argument (it grows as needed)::
 
         cache = QuestCache.from_model(model)
         out = model(input_ids, attention_mask=mask, past_key_values=cache)  # `cache=` on transformers >= 5.24
 
+    `max_length`: tokens to allocate for at the first forward (None: that forward's + one growth step).
     `selection_hooks`: callables `fn(layer_idx, query [B, H_q, D], page_ids [B, H_kv, K])` run after each
-    sparse selection (empty by default: no cost).
+    sparse selection, also in a captured step (after its replay, with that step's tensors); empty by default.
     """
 
     def __init__(self, config: QuestConfig, num_layers: int, max_length: int | None = None):
-        from .static import DecodeGraph, StaticQuestLayer
-
         if not isinstance(config, QuestConfig):
             raise TypeError(f"QuestCache needs a QuestConfig, got {type(config).__name__}")
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
         self.quest_config = config
         self._step = _Step()
         self.selection_hooks: list = []
-        self.graph = None
         # Which stop check generate() ran over this cache: "deferred" (one step late, the host never waits)
         # or "per-token"; None until a generate() call (QuestConfig.defer_stop_check).
         self.stop_check: str | None = None
-        # True when generate() took this cache (and its captured graph) over from its previous call, reset.
+        # True when generate() took this cache over from its previous call, reset.
         self.reused = False
-        if config.cuda_graph == "auto":  # a cache built by hand: static when given a length
-            from .selectors import captured_policies
-
-            config = _replace(config, cuda_graph=max_length is not None and config.policy in captured_policies())
-            self.quest_config = config
-        if config.cuda_graph:
-            if not isinstance(max_length, int) or max_length < 1:
-                raise ValueError("cuda_graph=True needs a static capacity: QuestCache(..., max_length=prompt + new "
-                                 f"tokens), got max_length={max_length!r}")
-            layers = [StaticQuestLayer(config, self._step, max_length) for _ in range(num_layers)]
-            self.graph = DecodeGraph()
-        else:
-            layers = [QuestLayer(config, self._step) for _ in range(num_layers)]
-        super().__init__(layers=layers)
+        # How its decode steps ran: "captured" (a CUDA graph replay) or "eager: <why not>"; None before any.
+        self.decode_path: str | None = None
+        super().__init__(layers=[QuestLayer(config, self._step, max_length) for _ in range(num_layers)])
 
     @classmethod
-    def from_model(cls, model, max_length: int | None = None) -> "QuestCache":
-        """A fresh cache with the configuration `patch_model` gave `model` (`max_length` for cuda_graph=True)."""
+    def from_model(cls, model, max_length: int | None = None) -> QuestCache:
+        """A fresh cache with the configuration `patch_model` gave `model`."""
         state = getattr(model, "_quest_state", None)
         if state is None:
             raise ValueError("the model is not patched: call quest_hf.patch_model(model, ...) first, "
                              "or build QuestCache(QuestConfig(...), num_layers)")
         return cls(state.config, state.num_layers, max_length)
 
-    def copy(self, config: QuestConfig | None = None) -> "QuestCache":
+    def copy(self, config: QuestConfig | None = None) -> QuestCache:
         """An independent copy (tensors included), optionally under another config with the same page_size:
         one dense prefill can then be decoded under many budgets or policies."""
-        if self.graph is not None:
-            raise NotImplementedError("copy() of a cuda_graph QuestCache is not supported")
         new = _copy.deepcopy(self)
         if config is not None:
-            config = _replace(config, cuda_graph=False)  # copies are growing caches
             if config.page_size != self.quest_config.page_size:
                 raise ValueError(f"a copy keeps the pages: page_size must stay {self.quest_config.page_size}")
             new.quest_config = config
             for layer in new.layers:
                 layer.config = config
+                layer.side_state.clear()  # another policy's bookkeeping starts afresh
                 if layer.is_initialized:
                     layer.ops = resolve_backend(config.backend, layer.device)
         return new
@@ -284,6 +343,16 @@ class QuestCache(Cache):
                 f"{tuple(attention_mask.shape)} for {num_new_tokens} new tokens"
             )
         self._step.set(attention_mask[:, attention_mask.shape[1] - num_new_tokens:].bool())
+
+    def replayed(self, num_tokens: int = 1) -> None:
+        """A captured step appended `num_tokens` to every layer on the device: advance the host lengths."""
+        for layer in self.layers:
+            layer.seq_len += num_tokens
+
+    @property
+    def storage(self) -> tuple[int, ...]:
+        """Changes whenever a layer's buffers move (growth, a batch edit): a captured step must be re-captured."""
+        return tuple(layer.allocations for layer in self.layers)
 
     @property
     def backends(self) -> set[str]:

@@ -22,16 +22,15 @@ class QuestConfig:
         gqa_mode: `"union"` (default): union of the query heads' Top-K per KV group; `"max"` / `"sum"`:
             rank pages by the group's max / summed bound, one Top-K per KV head.
         backend: `"auto"` (Triton kernels on CUDA, PyTorch elsewhere), `"torch"`, `"triton"`.
-        cuda_graph: `"auto"` (default): `generate()` on a CUDA model allocates the cache once for prompt +
-            new tokens and replays each decode step as a captured CUDA graph (removes the per-step launch
-            cost of ~150 kernels), except with beam search or sliding-window layers, which keep the
-            growing cache. The model keeps that cache and its graph after the call (as HF keeps its static
-            cache): a later call with the same settings, batch size and a capacity within 1/8 above its
-            need resets and replays it from the first decode step; a cache returned to the caller
-            (`return_dict_in_generate=True`) is not kept; `quest_hf.release_cache(model)` frees it.
-            `True`: always (refusing what it cannot do; a CPU model runs the same fixed-shape step
-            uncaptured). `False`: never. Policies it runs: quest and the fixed-budget code
-            selectors (qcode, qcode1, qcode2s, qcode1_2s); the others keep the growing cache.
+        cuda_graph: `"auto"` (default): on a model on one CUDA device, every decode step (greedy, sampling,
+            beams, streamers, left padding, sliding windows, selection hooks) replays a captured CUDA graph of the
+            one-token forward (quest_hf/graph.py: removes the per-step launch cost of ~150 kernels); elsewhere
+            (CPU, a model spread over devices, tensor parallelism, a policy that needs host lengths) the same
+            fixed-shape step runs eagerly and `cache.decode_path` says why. After a captured `generate()` the model
+            keeps its cache and graph (as HF keeps its static cache): a later call with the same settings, batch
+            size and a capacity within 1/8 above its need resets and replays them from the first decode step; a
+            cache returned to the caller (`return_dict_in_generate=True`) is not kept;
+            `quest_hf.release_cache(model)` frees it. `True`: capture or raise. `False`: never capture.
         compile_decode: `True` (default): one-token CUDA forwards run the model's norms, MLPs and
             rotary embedding through `torch.compile` (fusing HF's elementwise code, as HF's compiled
             static path does): on an H200, 7B at 32K decodes in 6.5 instead of 8.5 ms a token. The first
@@ -94,8 +93,8 @@ class QuestConfig:
         from .selectors import captured_policies
 
         if self.cuda_graph is True and self.policy not in captured_policies():
-            raise ValueError(f"cuda_graph=True runs the policies {', '.join(captured_policies())}, got "
-                             f"policy={self.policy!r}; use cuda_graph=False or 'auto' for it")
+            raise ValueError(f"cuda_graph=True captures the policies {', '.join(captured_policies())}, got "
+                             f"policy={self.policy!r} (its scores need host lengths); use cuda_graph='auto' or False")
 
     @property
     def num_pages(self) -> int:

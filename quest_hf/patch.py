@@ -8,7 +8,6 @@ Through HF's own extension points: the "quest" attention and mask functions are 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ from .attention import NAME, quest_attention_forward
 from .cache import QuestCache
 from .config import QuestConfig
 from .fuse import compile_decode_modules, enter_forward, exit_forward, restore
-from .selectors import captured_policies
+from .graph import DecodeGraph
+from .selectors import selector_for
 
 logger = logging.get_logger("quest_hf")
 
@@ -89,6 +89,7 @@ class _PatchState:
     shadowed: dict = field(default_factory=dict)  # instance attributes we replaced (accelerate sets `forward`)
     compiled_modules: list = field(default_factory=list)  # norms/MLPs given a decode-only compiled forward
     kept: QuestCache | None = None  # the last captured-decode cache, for the next generate() of the same shapes
+    graph: DecodeGraph = field(default_factory=DecodeGraph)  # the captured decode step (quest_hf/graph.py)
 
 
 def _set_instance_attr(model, state: _PatchState, name: str, value):
@@ -128,6 +129,9 @@ def _before_forward(decoder, args, kwargs):
         new = bound.get("input_ids")
         new = bound.get("inputs_embeds") if new is None else new
         cache.begin_step(bound.get("attention_mask"), new.shape[1])
+        if new.shape[1] == 1 and "attention_mask" in kwargs:
+            # A decode step reads padding from the cache's valid slots: skip HF's mask (and its host sync).
+            kwargs["attention_mask"] = None
     state.cache = cache
     return args, kwargs
 
@@ -137,11 +141,11 @@ def _after_forward(decoder, args, kwargs, output):
     exit_forward()
 
 
-def _static_length(model, args, kwargs) -> int:
-    """Capacity for a cuda_graph cache: prompt length + new tokens, as generate will run."""
+def _generate_length(model, args, kwargs) -> int | None:
+    """Tokens a generate() call will hold: prompt + new tokens (None when it cannot be told: the cache grows)."""
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if ids is None:
-        raise ValueError("cuda_graph=True: pass input_ids to generate so the static cache can be sized")
+    if ids is None or ids.dim() != 2:
+        return None
     gen_cfg = kwargs.get("generation_config") or model.generation_config
     if kwargs.get("max_length") is not None:
         return kwargs["max_length"]
@@ -156,22 +160,34 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
-    """Resolve cuda_graph="auto" for one generate call: captured decode on CUDA unless it cannot apply."""
-    config = state.config
-    beams = (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1) > 1
-    text_cfg = model.config.get_text_config()
-    windowed = getattr(text_cfg, "sliding_window", None) is not None and (
-        getattr(text_cfg, "use_sliding_window", True) is not False)
-    if config.cuda_graph is True and beams:
-        raise ValueError("cuda_graph=True does not support beam search; patch with cuda_graph='auto' or False")
-    if config.cuda_graph == "auto":
-        devices = {p.device for p in model.parameters()}
-        # One graph captures one device's stream: a model spread over GPUs keeps the growing cache.
-        on_one_gpu = len(devices) == 1 and next(iter(devices)).type == "cuda" and not _distributed()
-        use = on_one_gpu and not beams and not windowed and config.policy in captured_policies()
-        config = dataclasses.replace(config, cuda_graph=use)
-    return config
+def capture_refusal(model, config: QuestConfig) -> str | None:
+    """Why decode steps of `model` cannot run as a captured CUDA graph, or None when they can.
+
+    The one place `cuda_graph` is resolved: `True` raises where "auto" would say why and run eagerly."""
+    if config.cuda_graph is False:
+        return "cuda_graph=False"
+    devices = sorted({str(p.device) for p in model.parameters()})
+    why = None
+    if len(devices) != 1 or not devices[0].startswith("cuda"):
+        why = f"the model is not on one CUDA device ({', '.join(devices)})"
+    elif _distributed():
+        why = "tensor parallelism (a graph would hold the collectives)"
+    elif not selector_for(config.policy).captured:
+        why = f"policy {config.policy!r} scores pages from host lengths"
+    if why and config.cuda_graph is True:
+        raise ValueError(f"cuda_graph=True cannot capture the decode step: {why}; use cuda_graph='auto' or False")
+    return why
+
+
+def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
+    """"captured", or "eager: <why>"; resolved once per cache (and logged when a CUDA model runs eagerly)."""
+    if cache.decode_path is None:
+        why = capture_refusal(model, cache.quest_config)
+        cache.decode_path = "captured" if why is None else f"eager: {why}"
+        if why is not None:
+            on_gpu = why != "cuda_graph=False" and next(model.parameters()).is_cuda
+            (logger.warning_once if on_gpu else logger.info_once)(f"quest-hf: decode steps run uncaptured: {why}")
+    return cache.decode_path
 
 
 # A kept captured-decode cache serves a later generate() whose capacity it covers with at most this much to spare
@@ -179,16 +195,18 @@ def _generate_config(model, state: _PatchState, gen_cfg, kwargs) -> QuestConfig:
 KEEP_SLACK = 1 / 8
 
 
-def _reusable(cache: QuestCache | None, model, config: QuestConfig, length: int, batch: int) -> bool:
+def _reusable(cache: QuestCache | None, model, config: QuestConfig, length: int | None, batch: int) -> bool:
     """Whether the last generate()'s captured-decode cache can serve this call: same settings, batch, dtype and
     device, and a capacity that fits prompt + new tokens with at most KEEP_SLACK to spare."""
-    if cache is None or cache.quest_config != config:
+    if cache is None or cache.quest_config != config or length is None:
         return False
     layer = cache.layers[0]
+    if not layer.is_initialized:
+        return False
     need = -(-length // config.page_size) * config.page_size
     param = next(model.parameters())
-    return (need <= layer.max_length <= need * (1 + KEEP_SLACK) and layer.is_initialized
-            and layer.keys.shape[0] == batch and layer.dtype == param.dtype and layer.device == param.device)
+    return (need <= layer.max_tokens <= need * (1 + KEEP_SLACK) and layer.keys.shape[0] == batch
+            and layer.dtype == param.dtype and layer.device == param.device)
 
 
 def _wrap_generate(model, state: _PatchState):
@@ -204,25 +222,23 @@ def _wrap_generate(model, state: _PatchState):
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or use_cache is False:
             del kept
             return original(*args, **kwargs)
-        config = _generate_config(model, state, gen_cfg, kwargs)
-        if not config.cuda_graph:
-            del kept
-            kwargs[state.cache_arg] = QuestCache(config, state.num_layers)
-            return original(*args, **kwargs)
-        length = _static_length(model, args, kwargs)
+        config = state.config
+        length = _generate_length(model, args, kwargs)
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        if _reusable(kept, model, config, length, ids.shape[0]):
-            cache, reused = kept, True
+        beams = (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1)
+        batch = ids.shape[0] * beams if ids is not None else None
+        if _reusable(kept, model, config, length, batch):
+            cache = kept
             cache.reset()  # the captured graph replays from the first decode step: no eager step, no capture
             cache.stop_check = None
+            cache.reused = True
         else:
             del kept
-            cache, reused = QuestCache(config, state.num_layers, length), False
-        cache.reused = reused
+            cache = QuestCache(config, state.num_layers, length)
         kwargs[state.cache_arg] = cache
         out = original(*args, **kwargs)
         returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
-        if not returned:  # a cache handed to the caller is theirs: never reset under them
+        if not returned and cache.decode_path == "captured":  # a cache handed to the caller is theirs
             state.kept = cache
         return out
 
@@ -230,16 +246,22 @@ def _wrap_generate(model, state: _PatchState):
 
 
 def _wrap_forward(model, state: _PatchState):
-    """Serve one-token steps over a cuda_graph QuestCache from its captured graph; all else as usual."""
+    """Serve one-token steps over a QuestCache from the captured graph (quest_hf/graph.py); all else as usual."""
     original = model.forward
+    passed = {"input_ids", "position_ids", "attention_mask", "use_cache", "return_dict", "cache", "past_key_values",
+              "cache_position"}  # what the captured forward honours; other arguments run the step eagerly
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if (isinstance(cache, QuestCache) and cache.graph is not None and ids is not None and ids.shape[1] == 1
-                and cache.get_seq_length() > 0 and not args[1:] and kwargs.get("inputs_embeds") is None):
-            return cache.graph.step(original, cache, state.cache_arg, ids, kwargs.get("position_ids"))
+        if (isinstance(cache, QuestCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1
+                and cache.get_seq_length() > 0 and not args[1:] and passed.issuperset(kwargs)
+                and _decode_path(model, state, cache) == "captured"):
+            return state.graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
+                                    kwargs.get("position_ids"), kwargs.get("attention_mask"))
+        if isinstance(cache, QuestCache) and cache.decode_path is None and ids is not None and ids.shape[-1] == 1:
+            _decode_path(model, state, cache)
         return original(*args, **kwargs)
 
     _set_instance_attr(model, state, "forward", forward)
@@ -269,6 +291,7 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     if state is not None:
         state.config = config
         state.kept = None
+        state.graph.release()
         _set_compiled(model, state)
         logger.info(f"quest-hf: re-configured {model_type} with {config}")
         return model
@@ -318,6 +341,7 @@ def unpatch_model(model):
     if state is None:
         return model
     state.kept = None
+    state.graph.release()
     restore(state.compiled_modules)
     for h in state.handles:
         h.remove()
@@ -339,6 +363,7 @@ def release_cache(model):
     state = getattr(model, "_quest_state", None)
     if state is not None:
         state.kept = None
+        state.graph.release()
     return model
 
 
@@ -357,4 +382,5 @@ def patched(model, budget: int | None = None, page_size: int | None = None, *,
         else:
             model._quest_state.config = previous
             model._quest_state.kept = None  # built under the inner settings
+            model._quest_state.graph.release()
             _set_compiled(model, model._quest_state)

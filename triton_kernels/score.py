@@ -23,23 +23,37 @@ def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce):
     return B, H, G, D, P
 
 
-def _check_pos(pos, device):
+def _check_pos(pos, device, window=0, window_start=0):
     if pos is not None and (pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device):
         raise ValueError(f"pos must be one integer tensor on {device}, "
                          f"got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    if window and (pos is None or window_start):
+        raise ValueError("window= is the device-side sliding window: it needs pos= and window_start=0")
+
+
+def window_start_at(pos, window: int, page_size: int = 1):
+    """First slot a query at the device position `pos` may see under a sliding `window` (0: none), divided by
+    `page_size` (floor): a device tensor, no host sync. HF's window lets the query at slot `pos - 1` see keys
+    `k > pos - 1 - window`."""
+    start = (pos.view(1).long() - window).clamp_min(0) if window else pos.view(1).long() * 0
+    return torch.div(start, page_size, rounding_mode="floor")
 
 
 def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                    pos=None):
+                    pos=None, window: int = 0):
     """Score the `P = ceil(seq_len / S)` pages of a layer for one decode query.
 
     q `[B, H_q, D]`; kmin/kmax `[B, H_kv, P_cap, D]`. Returns fp32 `[B, H_q, P]` (`reduce="none"`) or
     `[B, H_kv, P]` (`"max"`/`"sum"` over each KV group). The current page `P - 1` scores `+inf` (always
     chosen); empty pages (padding only) and pages ending before `window_start` score `-inf` (never chosen).
-    `pos` (one integer on q's device: the captured step's write position) forces page `(pos - 1) // S` too.
+    `pos` (one integer on q's device: the captured step's write position) forces page `(pos - 1) // S` too;
+    with `window > 0` (a sliding window, read with `pos` on the device) the pages ending before
+    `max(0, pos - window)` score `-inf` as well.
     """
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
-    _check_pos(pos, q.device)
+    _check_pos(pos, q.device, window, window_start)
     qf = q.float().reshape(B, H, G, 1, D)
     lo, hi = kmin[:, :, None, :P].float(), kmax[:, :, None, :P].float()
     empty = (kmin[:, :, :P, 0] > kmax[:, :, :P, 0])[:, :, None]  # [B, H, 1, P]
@@ -49,6 +63,9 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     s = torch.maximum(qf * lo, qf * hi).sum(-1)  # [B, H, G, P]
     s = s.masked_fill(empty, float("-inf"))
     s[..., : window_start // page_size] = float("-inf")
+    if window:
+        dead = torch.arange(P, device=q.device) < window_start_at(pos, window, page_size)
+        s = s.masked_fill(dead, float("-inf"))
     s[..., P - 1] = float("inf")
     if pos is not None:
         s.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
@@ -117,7 +134,7 @@ def _score_pages_kernel(
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op,
-    H_KV, P, P_DEAD, PAGE,
+    H_KV, P, P_DEAD, PAGE, WINDOW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr,
 ):
@@ -125,7 +142,10 @@ def _score_pages_kernel(
     o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     cur = P - 1
     if HAS_POS:  # the page of the last token written, read on the device (no host sync, graph-capturable)
-        cur = (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE
+        i_pos = tl.load(pos_ptr).to(tl.int32)
+        cur = (i_pos - 1) // PAGE
+        if WINDOW > 0:  # sliding window: pages ending before the window's first slot are never chosen
+            P_DEAD = tl.maximum(i_pos - WINDOW, 0) // PAGE
     _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_bh // H_KV, i_bh % H_KV, o_p,
                  stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                  stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
@@ -133,7 +153,7 @@ def _score_pages_kernel(
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                pos=None):
+                pos=None, window: int = 0):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
@@ -141,7 +161,7 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     """
     require_triton()
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
-    _check_pos(pos, q.device)
+    _check_pos(pos, q.device, window, window_start)
     rows = H * G if reduce == "none" else H
     out = torch.empty(B, rows, P, dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(P, BLOCK_P))
@@ -151,7 +171,7 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        H, P, window_start // page_size, page_size,
+        H, P, window_start // page_size, page_size, window,
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         num_warps=NUM_WARPS,
     )

@@ -2,11 +2,12 @@
 import torch
 
 from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
+from .score import _check_pos, window_start_at
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
 
-def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start):
+def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos=None, window=0):
     B, H, C, D = k_cache.shape
     G = check_query(q, H, D, B)
     if page_ids.dim() != 3 or page_ids.shape[:2] != (B, H) or page_ids.dtype != torch.int32:
@@ -17,24 +18,29 @@ def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_star
         raise ValueError(f"seq_len {seq_len} must be in [1, {C}] and the capacity a multiple of page_size {page_size}")
     if not 0 <= window_start < seq_len:
         raise ValueError(f"window_start {window_start} must be in [0, seq_len={seq_len})")
+    _check_pos(pos, q.device, window, window_start)
     return B, H, G, D
 
 
 def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
-                                scale: float, window_start: int = 0):
+                                scale: float, window_start: int = 0, pos=None, window: int = 0):
     """Attention of one decode query per row over the tokens of the chosen pages.
 
     q `[B, H_q, D]`; caches `[B, H_kv, C, D]`; page_ids int32 `[B, H_kv, K]` (-1 unused); valid `[B, C]`.
     A token takes part when its page is chosen for the query head's KV head, it is `< seq_len`,
     `>= window_start` and valid. Returns `[B, H_q, D]` in q's dtype; fp32 math; all-masked rows give 0.
+    `pos` / `window` (the captured step's device position and a sliding window, see `score_pages`): the
+    window's first slot `max(0, pos - window)` is read on the device instead of `window_start`.
     """
-    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start)
+    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window)
     K = page_ids.shape[2]
     slots = page_ids.long()[..., None] * page_size + torch.arange(page_size, device=q.device)  # [B, H, K, S]
     slots = slots.reshape(B, H, K * page_size)
     ok = (page_ids.long()[..., None] >= 0).expand(B, H, K, page_size).reshape(B, H, -1)
     # Out of place: with K == 1 the reshape above is a stride-0 view, which in-place ops reject.
     ok = ok & (slots < seq_len) & (slots >= window_start)
+    if window:
+        ok = ok & (slots >= window_start_at(pos, window))
     safe = slots.clamp(0, k_cache.shape[2] - 1)
     ok = ok & torch.gather(valid[:, None].expand(B, H, -1), 2, safe)
     idx = safe[..., None].expand(-1, -1, -1, D)
@@ -148,14 +154,16 @@ def _sparse_attn_split_kernel(
     stride_ib, stride_ih, stride_ik,
     stride_vab, stride_vac,
     stride_ob, stride_oh, stride_od,
-    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
+    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, WINDOW, qk_scale, pos_ptr,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW_POS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
     i_h = i_bh % H_KV
+    if HAS_WINDOW_POS:  # a sliding window in a captured step: its first slot from the device position
+        WINDOW_START = tl.maximum(tl.load(pos_ptr).to(tl.int32) - WINDOW, 0)
     _attn_split(q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, tl.program_id(1),
                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
                 stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
@@ -225,7 +233,7 @@ def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int
 
 
 def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
-                            scale: float, window_start: int = 0):
+                            scale: float, window_start: int = 0, pos=None, window: int = 0):
     """Triton twin of `sparse_decode_attention_ref` (flash-decoding over the chosen pages).
 
     q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
@@ -234,7 +242,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     with few splits (FUSE_MERGE_MAX_SPLITS), `B * H_kv` int32 tickets (zeroed).
     """
     require_triton()
-    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start)
+    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window)
     K = page_ids.shape[2]
     splits, ids_each = _num_splits(q.device, B * H, K, page_size)
     m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
@@ -254,12 +262,12 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         page_ids.stride(0), page_ids.stride(1), page_ids.stride(2),
         valid_u8.stride(0), valid_u8.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H, K, ids_each, splits, seq_len, window_start, scale * LOG2E,
+        H, K, ids_each, splits, seq_len, window_start, window, scale * LOG2E, pos if window else valid_u8,
         G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N,
         # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
-        FUSE_MERGE=fuse, BLOCK_S=block_s,
+        FUSE_MERGE=fuse, BLOCK_S=block_s, HAS_WINDOW_POS=window > 0,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not fuse:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 
-# Bits per key channel and token of the "qcode" selectors (quest_hf/selectors_qcode.py): bits, not bytes of the
+# Bits per key channel and token of the "qcode" selectors (quest_hf/selectors/codes.py): bits, not bytes of the
 # cache dtype, so their share of the bytes is smaller in fp32 than in fp16.
 CODE_BITS = {"qcode": 2, "qcode_topp": 2, "qcode1": 1, "qcode1_topp": 1}
 # Two-stage selectors: (bits, candidates): codes are read for at most `group * candidates * budget` tokens.

@@ -22,7 +22,6 @@ import dataclasses
 
 import torch
 
-from ..attention import _window_start
 from ..config import QuestConfig
 from ..patch import patched
 from .decode import greedy_continue
@@ -32,6 +31,11 @@ POLICIES = ("quest", "streaming", "oracle")
 
 
 # --- token sets --------------------------------------------------------------------------------------
+
+def _window_start(seq_len: int, sliding_window: int | None) -> int:
+    # HF's window lets query q see keys k with k > q - window; the decode query is slot seq_len - 1.
+    return max(0, seq_len - sliding_window) if sliding_window else 0
+
 
 def _allowed(valid: torch.Tensor, seq_len: int, window_start: int) -> torch.Tensor:
     """Tokens a decode query may see `[B, L]`: valid, before `seq_len`, not before the window."""

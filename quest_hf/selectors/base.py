@@ -1,0 +1,66 @@
+"""The selector contract: how a sparse layer chooses the pages one decode query reads."""
+from __future__ import annotations
+
+import torch
+
+
+class Selector:
+    """A page-selection policy (`QuestConfig.policy`), stateless: per-layer state lives on the layer.
+
+    Tensors a selector keeps per slot go in `layer.side[name]` (`[B, H_kv, C, ...]`: the layer grows, reorders
+    and batch-edits them with its pages); host bookkeeping in `layer.side_state` (cleared by `reset`).
+
+    `select` runs over the layer's whole allocation with the write position on the device (`layer.pos`), so a
+    decode step keeps fixed shapes and can be captured as a CUDA graph: it returns int32 page ids
+    `[B, H_kv, K + 1]` (ascending, -1 unused) holding the current page `(pos - 1) // S` and the spare last page
+    (never written; see quest_hf/cache.py). A selector that needs host lengths sets `captured = False`; its
+    decode steps then run uncaptured (`quest_hf.graph` says so).
+    """
+
+    captured = True
+
+    def on_append(self, layer, key_states: torch.Tensor, start: int, valid_new: torch.Tensor | None) -> None:
+        """After `key_states [B, H_kv, T, D]` were stored at slots `[start, start + T)`. For one token (a decode
+        step, which may be a graph replay) use the device position `layer.pos` only, never `start`."""
+
+    def on_crop(self, layer, new_len: int) -> None:
+        """After the layer dropped every token from `new_len` on."""
+
+    def select(self, layer, q: torch.Tensor, window: int) -> torch.Tensor:
+        """Page ids for decode query `q [B, H_q, D]`; `window` > 0: a sliding window of that many tokens."""
+        raise NotImplementedError
+
+    def attend(self, layer, q: torch.Tensor, scale: float, window: int, on_select) -> torch.Tensor:
+        """The decode output `[B, H_q, D]`: attention over the selected pages. `on_select(ids)` sees the ids."""
+        ids = self.select(layer, q, window)
+        on_select(ids)
+        return attend_pages(layer, q, ids, scale, window)
+
+    def bytes_per_step(self, seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int,
+                       pages_read: float, budget: int, group: int) -> float:
+        """K/V + metadata bytes one decode step of one layer reads (for equal-bytes comparisons)."""
+        raise NotImplementedError(f"{type(self).__name__} does not account its bytes")
+
+
+def attend_pages(layer, q: torch.Tensor, ids: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Exact attention of `q [B, H_q, D]` over the tokens of pages `ids` (fixed shapes, device position)."""
+    return layer.ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.valid, layer.keys.shape[2],
+                                             layer.page_size, scale, 0, pos=layer.pos if window else None,
+                                             window=window)
+
+
+def top_pages(layer, scores: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Top `k` pages of per-query-head `scores [B, H_q, P]`: the union over each KV group, or one Top-K of the
+    group's max / sum (`gqa_mode`). (-inf/+inf pages are -inf/+inf in every row, so they stay so reduced.)"""
+    cfg, ops = layer.config, layer.ops
+    if cfg.gqa_mode == "union" or group == 1:
+        return ops.topk_pages(scores, k, group)
+    B, Hq, P = scores.shape
+    s = scores.reshape(B, Hq // group, group, P)
+    s = s.amax(2) if cfg.gqa_mode == "max" else s.sum(2)
+    return ops.topk_pages(s.contiguous(), k, 1)
+
+
+def metadata_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int) -> int:
+    """Every page's key min/max: what Quest's scoring reads."""
+    return -(-seq_len // page_size) * kv_heads * 2 * head_dim * elt
