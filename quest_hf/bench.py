@@ -43,6 +43,11 @@ MODEL_SHAPES = {
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000),
+    # Sliding-window GQA (every layer windowed): what the captured step must serve with window masking.
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, sliding_window=8192),
+    "tiny-mistral": dict(model_type="mistral", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, sliding_window=128),
 }
 
 
@@ -160,13 +165,15 @@ class Clock:
 
 
 def random_llama(shape: str, dtype, device, max_len: int):
-    """A random-weight `LlamaForCausalLM` of `MODEL_SHAPES[shape]` (SDPA attention, no EOS), in eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight causal LM of `MODEL_SHAPES[shape]` (Llama unless it names a `model_type`; SDPA attention,
+    no EOS), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = LlamaConfig(**MODEL_SHAPES[shape], max_position_embeddings=max(max_len, 4096), attn_implementation="sdpa",
-                      eos_token_id=None, pad_token_id=0)
+    kw = dict(MODEL_SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, max_position_embeddings=max(max_len, 4096),
+                               attn_implementation="sdpa", eos_token_id=None, pad_token_id=0)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     model.generation_config.eos_token_id = None
     return model
 

@@ -9,9 +9,10 @@ information (which new tokens are padding) handed from the model's forward to th
     valid         [B, C + S] bool            False for padding and unwritten slots
     pos           int64 scalar on the device  the write position (= seq_len, the host mirror)
 
-`C` (`layer.max_tokens`; `layer.capacity` is `C + S`) is what `generate()` will need (prompt + new tokens) or, for a cache driven by hand,
-what it has seen so far plus one growth step; a sequence that outgrows it is moved to a larger allocation
-(an eighth more, at least `GROWTH_TOKENS`: amortised, and never more than one growth step over need).
+`C` (`layer.max_tokens`; `layer.capacity` is `C + S`) is what `generate()` will need (prompt + new tokens)
+or, for a cache driven by hand, what it has seen so far plus one growth step; a sequence that outgrows it is
+moved to a larger allocation (an eighth more, at least `GROWTH_TOKENS`: amortised, and never more than one
+growth step over need).
 
 A one-token append is one kernel at the device position `pos`, so a decode step keeps fixed shapes and no host
 state: the same step runs eagerly (CPU, `cuda_graph=False`) and is captured as a CUDA graph by the caller

@@ -47,11 +47,14 @@ class DecodeGraph:
         """Drop the graph (and its memory pool); the next decode step captures anew."""
         self._forget()
 
-    def step(self, forward, eager, cache, cache_arg: str, input_ids, position_ids, attention_mask):
-        """One decode token: `eager()` runs it uncaptured; `forward(**kw)` is the model's forward to capture."""
+    def step(self, forward, eager, cache, cache_arg: str, input_ids, position_ids, attention_mask, fixed=None):
+        """One decode token: `eager()` runs it uncaptured; `forward(**kw)` is the model's forward to capture, with
+        the constant arguments `fixed` (e.g. `logits_to_keep`), which are part of the graph's key."""
+        fixed = fixed or {}
         for layer in cache.layers:
             layer.reserve(layer.seq_len + 1)  # a replay cannot grow: grow (and re-capture) before it
-        key = (cache.storage, tuple(input_ids.shape), input_ids.device, bool(cache.selection_hooks))
+        key = (cache.storage, tuple(input_ids.shape), input_ids.device, bool(cache.selection_hooks),
+               tuple(sorted(fixed.items())))
         if self._cache is None or self._cache() is not cache or self._key != key:
             self._forget()
             self._cache, self._key = weakref.ref(cache), key
@@ -61,7 +64,7 @@ class DecodeGraph:
         if position_ids is None:
             position_ids = torch.full_like(input_ids, cache.get_seq_length())
         if self.graph is None:
-            self._capture(forward, cache, cache_arg, input_ids, position_ids, attention_mask)
+            self._capture(forward, cache, cache_arg, input_ids, position_ids, attention_mask, fixed)
         else:
             self._ids.copy_(input_ids)
             self._positions.copy_(position_ids)
@@ -84,7 +87,7 @@ class DecodeGraph:
         else:
             self._valid.copy_(attention_mask[:, -1:])
 
-    def _capture(self, forward, cache, cache_arg, input_ids, position_ids, attention_mask):
+    def _capture(self, forward, cache, cache_arg, input_ids, position_ids, attention_mask, fixed):
         self._ids, self._positions = input_ids.clone(), position_ids.clone()
         self._valid = torch.ones(input_ids.shape[0], 1, dtype=torch.bool, device=input_ids.device)
         self._set_valid(attention_mask)
@@ -95,7 +98,7 @@ class DecodeGraph:
         try:
             with torch.cuda.graph(graph):  # records only; Python advanced the host lengths once
                 out = forward(input_ids=self._ids, position_ids=self._positions, attention_mask=None, use_cache=True,
-                              return_dict=True, **{cache_arg: cache})
+                              return_dict=True, **fixed, **{cache_arg: cache})
         finally:
             cache._step.pinned = None
             self._records, self._recording = self._recording, None

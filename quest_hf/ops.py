@@ -1,8 +1,8 @@
 """Backend dispatch: the Triton kernels or their PyTorch twins, chosen per device and visible to the user."""
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers.utils import logging

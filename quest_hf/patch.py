@@ -248,20 +248,27 @@ def _wrap_generate(model, state: _PatchState):
 def _wrap_forward(model, state: _PatchState):
     """Serve one-token steps over a QuestCache from the captured graph (quest_hf/graph.py); all else as usual."""
     original = model.forward
-    passed = {"input_ids", "position_ids", "attention_mask", "use_cache", "return_dict", "cache", "past_key_values",
-              "cache_position"}  # what the captured forward honours; other arguments run the step eagerly
+    # What the captured forward takes: the step's tensors (copied into the graph's inputs each replay) and
+    # constants (part of the graph's key); any other argument runs that step eagerly, and decode_path says why.
+    tensors = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "cache_position"}
+    constants = {"use_cache", "return_dict", "logits_to_keep"}
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         ids = kwargs.get("input_ids", args[0] if args else None)
         if (isinstance(cache, QuestCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1
-                and cache.get_seq_length() > 0 and not args[1:] and passed.issuperset(kwargs)
-                and _decode_path(model, state, cache) == "captured"):
-            return state.graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
-                                    kwargs.get("position_ids"), kwargs.get("attention_mask"))
-        if isinstance(cache, QuestCache) and cache.decode_path is None and ids is not None and ids.shape[-1] == 1:
-            _decode_path(model, state, cache)
+                and cache.get_seq_length() > 0 and kwargs.get("inputs_embeds") is None):
+            path = _decode_path(model, state, cache)
+            extra = sorted(set(kwargs) - tensors - constants) + (["positional arguments"] if args[1:] else [])
+            if path == "captured" and not extra:
+                fixed = {k: kwargs[k] for k in constants if k in kwargs and k not in ("use_cache", "return_dict")}
+                return state.graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
+                                        kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+            if path == "captured":
+                cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
+                logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
+                                    f"{', '.join(extra)}")
         return original(*args, **kwargs)
 
     _set_instance_attr(model, state, "forward", forward)

@@ -9,16 +9,20 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   static      HF static cache + generate's automatic compile (CUDA graphs)
   static_defer  the same with transformers' DeferredStopCheck forced on CUDA (it runs only on mps): what a
               one-step-late stop check alone gives HF's dense path
-  quest       patch_model(budget) (growing QuestCache, Triton kernels on CUDA)
-  quest_graph patch_model(budget, cuda_graph=True) (static QuestCache, decode step replayed as a CUDA graph)
-  quest_graph_c  the same with compile_decode=True (norms and MLPs through torch.compile, then captured)
+  quest       patch_model(budget, cuda_graph=False): the same fixed-shape step, run eagerly (Triton kernels)
+  quest_graph patch_model(budget, compile_decode=False): the decode step replayed as a CUDA graph, eager norms/MLPs
+  quest_graph_c  patch_model(budget): the defaults (captured, norms and MLPs through torch.compile)
   quest_graph_c_sync  the same with defer_stop_check=False (transformers' per-token stop check)
+With `--beams N` every method runs beam search (HF's streamer cannot follow beams: per-token times then come
+from whole calls, (t(new tokens) - t(1 token)) / (new tokens - 1)).
 Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop check is deferred.
 A quest method may name another policy and page size: `quest_graph_c:qcode1_2s/32`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
     python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
+    python scripts/bench_e2e.py --shapes llama2-7b --lengths 16384 --beams 3 --methods dense static quest_graph_c
+    python scripts/bench_e2e.py --shapes mistral-7b --lengths 32768 --methods dense static quest_graph_c
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --budgets 2048 \
         --methods static quest_graph_c quest:qcode1_2s/32 quest_graph_c:qcode1_2s/32
 """
@@ -29,6 +33,7 @@ import contextlib
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -79,16 +84,40 @@ def hf_deferred_stop(enabled: bool):
         DeferredStopCheck.is_supported = original
 
 
+def measure_whole(model, ids, new_tokens, device, **kw):
+    """Like `measure`, from whole generate() calls (beam search: no streamer): per-token time is
+    (t(new_tokens) - t(1)) / (new_tokens - 1), each the median of 3 calls after a warm-up."""
+    def call(n):
+        t = []
+        for _ in range(4):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, **kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t.append(time.perf_counter() - t0)
+        return sorted(t[1:])[1], out
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    one, _ = call(1)
+    full, out = call(new_tokens)
+    step = (full - one) / (new_tokens - 1)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return one, step, step, [], peak, out[:, ids.shape[1]:]
+
+
 def replay_ms(model, ids, new_tokens, device) -> float:
     """GPU time of one captured Quest decode step (graph replay alone, quest_hf.bench's timer, median of 20):
     the floor of quest_graph's per-token latency once generate's own host work is taken out."""
-    from quest_hf import QuestCache
-    from quest_hf.patch import cache_arg_name
-
-    cache = QuestCache.from_model(model, max_length=ids.shape[1] + new_tokens)
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                   **{cache_arg_name(model): cache})
-    graph = cache.graph.graph
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False)
+    state = model._quest_state
+    cache, graph = state.kept, state.graph.graph
+    if cache is None or graph is None:
+        return float("nan")
 
     def reset():
         for layer in cache.layers:
@@ -108,6 +137,7 @@ def main(argv=None):
                    help=f"{', '.join(METHODS)}; a quest method may name a policy and page "
                         "size: quest_graph_c:qcode1_2s/32 (default policy quest, page 16)")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--beams", type=int, default=1, help="num_beams of every generate() call (1: greedy)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="JSON path; a .md beside it (default results/bench_e2e/e2e.json)")
@@ -133,22 +163,24 @@ def main(argv=None):
                 for full, budget in runs:
                     method, _, policy = full.partition(":")
                     policy, _, page = policy.partition("/")
-                    kw = {}
+                    kw = dict(num_beams=args.beams) if args.beams > 1 else {}
                     if method in ("static", "static_defer"):
-                        kw = dict(cache_implementation="static")
+                        kw.update(cache_implementation="static")
                     elif method == "dense":
-                        kw = dict(disable_compile=True)
+                        kw.update(disable_compile=True)
                     graph = method.startswith("quest_graph")
                     if method.startswith("quest"):
-                        patch_model(model, budget=budget, cuda_graph=graph,
-                                    compile_decode=method in ("quest_graph_c", "quest_graph_c_sync"),
+                        patch_model(model, budget=budget, cuda_graph="auto" if graph else False,
+                                    compile_decode=method != "quest_graph",
                                     defer_stop_check=method != "quest_graph_c_sync",
                                     policy=policy or "quest", page_size=int(page or 16))
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
                         with hf_deferred_stop(method == "static_defer"):
-                            prefill, step, mean, first, peak, out = measure(model, ids, args.new_tokens, device, deferred, **kw)
+                            how = measure if args.beams == 1 else measure_whole
+                            prefill, step, mean, first, peak, out = how(model, ids, args.new_tokens, device,
+                                                                        **({} if args.beams > 1 else dict(deferred=deferred)), **kw)
                         err = None
                     except Exception as e:  # a method that fails is reported, not hidden
                         prefill = step = mean = peak = float("nan")
@@ -165,7 +197,13 @@ def main(argv=None):
                         same = bool(torch.equal(out, ref))
                         if not same and out.shape == ref.shape:  # the first new token that differs
                             first_diff = int((out != ref).any(0).nonzero()[0])
-                    row = dict(shape=shape, length=L, batch=B, method=full, budget=budget, prefill_s=prefill,
+                    if method.startswith("quest") and out is not None:
+                        kept = model._quest_state.kept
+                        decode_path = kept.decode_path if kept is not None else None
+                    else:
+                        decode_path = None
+                    row = dict(shape=shape, length=L, batch=B, beams=args.beams, method=full, budget=budget,
+                               decode_path=decode_path, prefill_s=prefill,
                                step_ms=step * 1e3, step_mean_ms=mean * 1e3, stop_check_deferred=deferred,
                                first_steps_ms=[round(t * 1e3, 2) for t in first],
                                tokens_per_s=B / step if step == step else float("nan"),

@@ -66,8 +66,7 @@ def parse_args(argv=None):
 def use_candidates(n: int) -> None:
     """Re-register the two-stage selectors with `n` candidate pages per chosen page (bytes accounted to match)."""
     from quest_hf.eval import accounting
-    from quest_hf.selectors import register_selector
-    from quest_hf.selectors import TwoStageCodeSelector
+    from quest_hf.selectors import TwoStageCodeSelector, register_selector
 
     for name, (bits, _) in list(accounting.TWO_STAGE.items()):
         register_selector(name, TwoStageCodeSelector(bits=bits, candidates=n))

@@ -3,12 +3,15 @@ import contextlib
 import importlib.util
 import os
 
+import torch  # noqa: I001 - before triton: whether a GPU is there decides the interpreter
+
 # Triton reads TRITON_INTERPRET when it is first imported, and the imports below import it (quest_hf ->
-# triton_kernels): tests/test_kernels.py needs the interpreter on CPU, so set it before them.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# triton_kernels): on a machine without a GPU the kernel tests need the interpreter, so set it before them.
+# With a GPU the kernels compile, and the GPU-marked tests (tests/gpu/) run them at real sizes.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 from quest_hf.patch import SUPPORTED_MODEL_TYPES
 

@@ -304,3 +304,36 @@ def test_code_selectors_encode_the_pages_decode_completes(policy, page_size, bac
     fresh = torch.zeros_like(codes)
     tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, fresh, 0, full, sel.bits)
     assert full * page_size > ids.shape[1] and torch.equal(codes[:, :, :full * page_size], fresh[:, :, :full * page_size])
+
+
+@pytest.fixture
+def fake_cuda_graph(monkeypatch):
+    """CPU stand-ins for torch.cuda's graph API: generate() takes the captured path's plumbing (no replay work)."""
+    import contextlib
+
+    from quest_hf import patch
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(patch, "capture_refusal", lambda model, config: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+
+def test_generate_reaches_the_captured_step_and_an_unknown_argument_is_named(fake_cuda_graph):
+    # generate() hands forward more than the step's tensors (logits_to_keep, position_ids): every decode step but
+    # the first must still reach the graph (seen on an H200: a missing name sent every step down the eager path).
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(60, 41))
+    patch_model(model, budget=32)
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    graph = model._quest_state.graph
+    assert graph.captures == 1 and graph.replays == 6  # steps 2..7: one capture, then replays
+    assert model._quest_state.kept.decode_path == "captured"
+    cache = QuestCache.from_model(model)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    model(input_ids=ids[:, -1:], past_key_values=cache, output_hidden_states=True)
+    assert cache.decode_path == "eager: the captured step does not take output_hidden_states"

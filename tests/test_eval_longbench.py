@@ -6,8 +6,20 @@ import pytest
 import torch
 
 from quest_hf.eval import longbench as lb
-from quest_hf.eval.longbench import (MAX_NEW_TOKENS, PROMPTS, TASKS, build_inputs, configs_for, evaluate, load_task,
-                                     normalize_answer, qa_f1_score, rouge_l_score, score_task, truncate_middle)
+from quest_hf.eval.longbench import (
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    TASKS,
+    build_inputs,
+    configs_for,
+    evaluate,
+    load_task,
+    normalize_answer,
+    qa_f1_score,
+    rouge_l_score,
+    score_task,
+    truncate_middle,
+)
 
 from .conftest import one_thread, tiny_model
 

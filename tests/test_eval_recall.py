@@ -3,12 +3,18 @@
 import pytest
 import torch
 
-from quest_hf.attention import oracle_attention
 from quest_hf.cache import QuestLayer
 from quest_hf.config import QuestConfig
 from quest_hf.eval.passkey import make_case
-from quest_hf.eval.recall import (find_token_positions, measure_recall, oracle_token_sets, page_token_sets,
-                                  top_recall, true_top_tokens)
+from quest_hf.eval.recall import (
+    find_token_positions,
+    measure_recall,
+    oracle_token_sets,
+    page_token_sets,
+    top_recall,
+    true_top_tokens,
+)
+from quest_hf.selectors import SELECTORS
 
 from .conftest import one_thread, tiny_model
 
@@ -68,7 +74,10 @@ def test_oracle_token_sets_follow_oracle_attention(budget, window, single_thread
     logits = torch.einsum("bhgd,bhnd->bhgn", q.reshape(B, H, G, D), keys) * D ** -0.5
     w = torch.softmax(logits.masked_fill(~sets[:, :, None], float("-inf")), -1)
     expected = torch.einsum("bhgn,bhnd->bhgd", w, vals).reshape(B, H * G, D)
-    torch.testing.assert_close(oracle_attention(layer, q, D ** -0.5, window), expected, rtol=1e-5, atol=1e-5)
+    layer.pos.fill_(L)
+    size = L - window if window else 0  # the sliding window whose first slot is `window`
+    got = SELECTORS["oracle"].attend(layer, q, D ** -0.5, size, lambda ids: None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # ... and each query head's true top tokens (ranked among the tokens it may see) lie in its group's set
     top = true_top_tokens(q, layer.keys[:, :, :L], layer.valid, min(budget, 5), window)
     assert top_recall(sets, top).min() == 1.0

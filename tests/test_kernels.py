@@ -230,7 +230,9 @@ def test_topk_matches_reference(B, R, P, k, group, ties, dead):
     assert group == 1
     # Ties may be broken any way: same -1 count, and the same multiset of chosen scores per row.
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
-    pick = lambda x: torch.where(x >= 0, rows[:, :, 0].gather(-1, x.long().clamp(min=0)), 0.0).sort(-1).values
+    def pick(x):
+        return torch.where(x >= 0, rows[:, :, 0].gather(-1, x.long().clamp(min=0)), 0.0).sort(-1).values
+
     assert torch.equal(pick(got), pick(want))
     assert not torch.isneginf(rows[:, :, 0].gather(-1, ids))[live].any(), "a -inf page was chosen"
     # Ties go to the lowest page ids: every tied page left out has a higher id than every tied page chosen.

@@ -3,9 +3,8 @@ import pytest
 import torch
 from transformers import DynamicCache, TextStreamer
 
-from quest_hf import QuestCache, patch_model, patched
+from quest_hf import QuestCache, QuestLayer, patch_model, patched
 from quest_hf.patch import cache_arg_name
-from quest_hf import QuestLayer
 
 from .conftest import left_padded_batch, tiny_model
 

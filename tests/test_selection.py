@@ -7,10 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import triton_kernels as tk
 from quest_hf import QuestCache, QuestConfig
 from quest_hf.attention import quest_attention_forward
-
-import triton_kernels as tk
 
 
 def _filled_cache(cfg, B, H, D, lengths, extra_tokens, seed=0, num_layers=3):
@@ -170,5 +169,7 @@ def test_bad_config_says_what_to_do(kwargs, exc, match):
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
         QuestConfig().budget = 4

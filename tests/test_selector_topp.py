@@ -4,8 +4,7 @@ import torch
 from quest_hf import QuestCache, QuestConfig, patch_model
 from quest_hf.eval.accounting import step_bytes
 from quest_hf.patch import cache_arg_name
-from quest_hf.selectors import SELECTORS, policy_names
-from quest_hf.selectors import QCodeSelector
+from quest_hf.selectors import SELECTORS, QCodeSelector, policy_names
 
 from .conftest import left_padded_batch, tiny_model
 

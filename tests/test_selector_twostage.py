@@ -6,8 +6,7 @@ import triton_kernels as tk
 from quest_hf import QuestCache, QuestConfig, patch_model
 from quest_hf.eval.accounting import step_bytes
 from quest_hf.patch import cache_arg_name
-from quest_hf.selectors import SELECTORS
-from quest_hf.selectors import TwoStageCodeSelector
+from quest_hf.selectors import SELECTORS, TwoStageCodeSelector
 
 from .conftest import left_padded_batch, tiny_model
 

@@ -12,7 +12,12 @@ __all__ = [
     "sparse_decode_attention", "sparse_decode_attention_ref",
 ]
 from .key_codes import (  # noqa: E402
-    code_scores, code_scores_ref, encode_codes, encode_codes_at, encode_codes_at_ref, encode_codes_ref,
+    code_scores,
+    code_scores_ref,
+    encode_codes,
+    encode_codes_at,
+    encode_codes_at_ref,
+    encode_codes_ref,
 )
 
 __all__ += ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes_at_ref", "code_scores",

@@ -9,7 +9,6 @@ import argparse
 
 import torch
 
-import quest_hf.static
 from quest_hf import QuestCache, patch_model
 from quest_hf.bench import random_llama
 from quest_hf.patch import cache_arg_name
@@ -24,8 +23,7 @@ def main():
     p.add_argument("--rows", type=int, default=18)
     a = p.parse_args()
     model = random_llama(a.shape, torch.float16, torch.device("cuda"), a.length + 64)
-    patch_model(model, budget=a.budget, gqa_mode=a.gqa_mode, cuda_graph=True)
-    quest_hf.static.CAPTURE = False
+    patch_model(model, budget=a.budget, gqa_mode=a.gqa_mode, cuda_graph=False)  # the same step, uncaptured
     ids = torch.randint(1, 1000, (1, a.length), device="cuda")
     cache = QuestCache.from_model(model, max_length=a.length + 64)
     name = cache_arg_name(model)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-
 # Bits per key channel and token of the "qcode" selectors (quest_hf/selectors/codes.py): bits, not bytes of the
 # cache dtype, so their share of the bytes is smaller in fp32 than in fp16.
 CODE_BITS = {"qcode": 2, "qcode_topp": 2, "qcode1": 1, "qcode1_topp": 1}
@@ -22,7 +21,8 @@ def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int
     `pages_read`: pages actually read over all KV heads (from the selection), for quest/streaming.
     quest: every page's min/max (2 * D per KV head) + the chosen pages' K and V. streaming: chosen K/V
     only. qcode*: quest's metadata + every token's `bits * D / 8` code bytes + the current page's keys
-    (scored exactly) + the chosen pages' K and V. oracle: every key + the values of at most `group * budget` tokens per KV head. dense: all K/V.
+    (scored exactly) + the chosen pages' K and V. oracle: every key + the values of at most `group * budget`
+    tokens per KV head. dense: all K/V.
     """
     page = page_size * 2 * head_dim * elt
     if policy == "dense" or seq_len <= budget:

@@ -174,7 +174,7 @@ def configs_for(budgets, *, dense: bool = True, page_size: int = 16, dense_layer
                 gqa_mode: str = "union", policy: str = "quest", backend: str = "auto") -> dict[str, QuestConfig]:
     """`{"dense": ..., "quest 512": ...}`: the configurations to compare (dense = a budget covering everything)."""
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, dense_layers=dense_layers, gqa_mode=gqa_mode,
-                       backend=backend, cuda_graph=False)  # a growing cache: selection hooks run
+                       backend=backend)
     out = {"dense": base} if dense else {}
     out.update({f"{policy} {b}": dataclasses.replace(base, budget=b, policy=policy) for b in budgets})
     return out

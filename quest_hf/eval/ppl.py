@@ -156,7 +156,7 @@ def perplexity_sweep(model, input_ids: torch.Tensor, prefix_len: int, budgets=(6
     if not 0 < prefix_len <= T - 2:
         raise ValueError(f"prefix_len must leave at least 2 tokens to decode: prefix_len={prefix_len}, T={T}")
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, dense_layers=dense_layers, gqa_mode=gqa_mode,
-                       backend=backend, cuda_graph=False)  # a growing cache: selection hooks run
+                       backend=backend)
     configs = [("dense", None, base)] + [(p, b, dataclasses.replace(base, budget=b, policy=p))
                                          for p in policies for b in budgets]
     rows = []

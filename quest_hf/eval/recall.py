@@ -66,7 +66,7 @@ def _logits(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tens
 def oracle_token_sets(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, budget: int,
                       window_start: int = 0) -> torch.Tensor:
     """Tokens `[B, H_kv, L]` the oracle policy reads: each query head's top-`budget` by exact q.k, united per
-    KV group (the rule of `quest_hf.attention.oracle_attention`). `keys [B, H_kv, L, D]` hold the filled slots."""
+    KV group (the rule of `quest_hf.selectors.OracleSelector`). `keys [B, H_kv, L, D]` hold the filled slots."""
     L = keys.shape[2]
     ok = _allowed(valid, L, window_start)
     logits = _logits(q, keys, ok)
@@ -165,7 +165,8 @@ class RecallMeter:
             is_needle[self.needle.to(q.device)] = True
             top_needle = is_needle[top]  # [B, H, G, k]: the head attends this needle token
         for tally, s in sets.items():
-            values = dict(recall=float(top_recall(s, top).mean()), dense=0.0)
+            # Everything the query may see fits the budget: the selection reads all of it (exact, labelled dense).
+            values = dict(recall=float(top_recall(s, top).mean()), dense=float(L - ws <= cfg.budget))
             if self.needle is not None:
                 per_head, any_head = needle_recall(s, self.needle.to(s.device))
                 inside = torch.gather(s[:, :, None].expand(*top.shape[:3], L), -1, top)
@@ -243,7 +244,7 @@ def measure_recall(model, prefix: torch.Tensor, tail: torch.Tensor, budgets=(64,
     num_layers = model.config.get_text_config().num_hidden_layers
     windows = layer_windows(model)
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, dense_layers=dense_layers, gqa_mode=gqa_mode,
-                       backend=backend, cuda_graph=False)  # a growing cache: selection hooks run
+                       backend=backend)
     results = {p: {} for p in policies}
     with patched(model, config=base):
         cache, _ = prefill_cache(model, prefix)
@@ -258,7 +259,7 @@ def measure_recall(model, prefix: torch.Tensor, tail: torch.Tensor, budgets=(64,
                                     with_oracle=run == "quest" and "oracle" in policies, windows=windows)
                 if run != "oracle":
                     fork.selection_hooks.append(meter)
-                logits = step_tokens(model, fork, tail, lambda i, _: meter.end_step())
+                logits = step_tokens(model, fork, tail, lambda i, _, meter=meter: meter.end_step())
                 fork.selection_hooks.clear()
                 answer = greedy_continue(model, fork, logits, answer_tokens, eos_token_id) if answer_tokens else None
                 if run in policies and run != "oracle":

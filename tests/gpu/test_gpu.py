@@ -1,0 +1,147 @@
+"""GPU-marked tests: the compiled Triton kernels at real sizes against their twins, and the captured decode step
+against the same step run eagerly (greedy, seeded sampling, beams, a sliding window, hooks, growth, a kept cache).
+
+Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu`.
+"""
+import pytest
+import torch
+
+import triton_kernels as tk
+from quest_hf import QuestCache, patch_model, release_cache
+from quest_hf.bench import random_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+def _layer(B, H, D, L, C, S=16, dtype=torch.float16, seed=0):
+    """Paged storage of L random tokens in a capacity of C slots (empty pages +-inf, invalid slots False)."""
+    g = torch.Generator(DEV).manual_seed(seed)
+    keys = torch.zeros(B, H, C, D, dtype=dtype, device=DEV)
+    values = torch.zeros_like(keys)
+    kmin = torch.full((B, H, C // S, D), float("inf"), dtype=dtype, device=DEV)
+    kmax = torch.full_like(kmin, float("-inf"))
+    valid = torch.zeros(B, C, dtype=torch.bool, device=DEV)
+    k = torch.randn(B, H, L, D, generator=g, device=DEV).to(dtype)
+    v = torch.randn(B, H, L, D, generator=g, device=DEV).to(dtype)
+    tk.append_kv(keys, values, kmin, kmax, valid, k, v, None, 0)
+    return keys, values, kmin, kmax, valid
+
+
+@pytest.mark.parametrize("B, Hq, H, L, window", [
+    pytest.param(1, 32, 8, 32768 + 5, 0, id="llama3-8b-32K"),
+    pytest.param(1, 32, 32, 32768 + 5, 0, id="llama2-7b-32K"),
+    pytest.param(8, 32, 32, 8192 + 3, 0, id="llama2-7b-B8-8K-fused-merge"),
+    pytest.param(1, 32, 8, 32768 + 5, 8192, id="mistral-window8K"),
+])
+def test_compiled_kernels_match_their_twins_at_real_sizes(B, Hq, H, L, window):
+    D, S, K = 128, 16, 128
+    C = -(-(L + 64) // S) * S + S
+    keys, values, kmin, kmax, valid = _layer(B, H, D, L, C)
+    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.float16)
+    pos = torch.tensor(L, device=DEV)
+    s = tk.score_pages(q, kmin, kmax, C, S, 0, "none", pos=pos, window=window)
+    s_ref = tk.score_pages_ref(q, kmin, kmax, C, S, 0, "none", pos=pos, window=window)
+    fin = torch.isfinite(s_ref)
+    assert torch.equal(fin, torch.isfinite(s)) and torch.equal(s_ref[~fin], s[~fin])
+    torch.testing.assert_close(s[fin], s_ref[fin], atol=1e-2, rtol=1e-3)
+    ids = tk.topk_pages(s, K + 1, Hq // H)
+    ref_ids = tk.topk_pages_ref(s, K + 1, Hq // H)
+    assert [set(r.tolist()) for r in ids.flatten(0, 1)] == [set(r.tolist()) for r in ref_ids.flatten(0, 1)]
+    out = torch.full((B, Hq, D), float("nan"), device=DEV, dtype=torch.float16)
+    out = tk.sparse_decode_attention(q, keys, values, ids, valid, C, S, D ** -0.5, 0, pos=pos if window else None,
+                                     window=window)
+    ref = tk.sparse_decode_attention_ref(q, keys, values, ids, valid, C, S, D ** -0.5, 0,
+                                         pos=pos if window else None, window=window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    llama = random_llama("tiny", torch.float16, torch.device(DEV), 4096)
+    mistral = random_llama("tiny-mistral", torch.float16, torch.device(DEV), 4096)
+    for m in (llama, mistral):  # sharpen attention so that selection matters
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(8.0)
+    return {"llama": llama, "mistral": mistral}
+
+
+def _run(model, ids, cuda_graph, **kw):
+    patch_model(model, budget=64, page_size=16, cuda_graph=cuda_graph)
+    graph = model._quest_state.graph
+    before = graph.captures, graph.replays  # counted over the model's life
+    cache = QuestCache.from_model(model, max_length=ids.shape[1] + kw.get("max_new_tokens", 24))
+    seen = []
+    cache.selection_hooks.append(lambda i, q, page_ids: seen.append((i, q.clone(), page_ids.clone())))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         return_dict_in_generate=True, output_scores=True, **kw)
+    return out, cache, seen, (graph.captures - before[0], graph.replays - before[1])
+
+
+@pytest.mark.parametrize("family, kw", [
+    pytest.param("llama", dict(do_sample=False), id="greedy"),
+    pytest.param("llama", dict(do_sample=True, top_k=20), id="sampling-seeded"),
+    pytest.param("llama", dict(do_sample=False, num_beams=3), id="beams3"),
+    pytest.param("mistral", dict(do_sample=False), id="sliding-window-past-it"),
+])
+def test_captured_step_gives_the_eager_steps_tokens(models, family, kw):
+    model = models[family]
+    ids = torch.randint(2, 1000, (2, 300), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    kw = dict(max_new_tokens=24, **kw)
+    results = {}
+    for cuda_graph in (False, "auto"):
+        torch.manual_seed(7)
+        results[cuda_graph] = _run(model, ids, cuda_graph, **kw)
+    (eager, c_e, seen_e, _), (capt, c_c, seen_c, (captures, replays)) = results[False], results["auto"]
+    assert c_e.decode_path == "eager: cuda_graph=False" and c_c.decode_path == "captured"
+    assert captures == 1 and replays >= 20  # step 1 eager, step 2 captured, then replays
+    assert torch.equal(eager.sequences, capt.sequences)
+    for a, b in zip(eager.scores, capt.scores):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    # Hooks fire in both modes, on the same layers with the same page ids (recorded inside the graph).
+    assert len(seen_e) == len(seen_c) > 0
+    for (i, q, p), (j, r, o) in zip(seen_e, seen_c):
+        assert i == j and torch.equal(p, o)
+        torch.testing.assert_close(q, r, atol=1e-3, rtol=1e-3)
+
+
+def test_hand_driven_loop_past_its_capacity_recaptures_and_matches_eager(models):
+    model = models["llama"]
+    ids = torch.randint(2, 1000, (1, 200), device=DEV, generator=torch.Generator(DEV).manual_seed(2))
+
+    def loop(cuda_graph, steps=300):
+        patch_model(model, budget=64, cuda_graph=cuda_graph)
+        before = model._quest_state.graph.captures
+        cache = QuestCache.from_model(model)  # 200 + one growth step (256): grows once inside the loop
+        out = model(input_ids=ids, past_key_values=cache)
+        tokens = [out.logits[:, -1].argmax(-1)]
+        for _ in range(steps):
+            out = model(input_ids=tokens[-1][:, None], past_key_values=cache)
+            tokens.append(out.logits[:, -1].argmax(-1))
+        return torch.stack(tokens, 1), cache, model._quest_state.graph.captures - before
+
+    eager, c_e, _ = loop(False)
+    capt, c_c, captures = loop("auto")
+    assert torch.equal(eager, capt) and c_c.layers[0].allocations == 2 and captures == 2
+    assert c_c.decode_path == "captured"
+
+
+def test_kept_cache_is_reused_and_gives_a_fresh_caches_tokens(models):
+    model = models["llama"]
+    g = torch.Generator(DEV).manual_seed(3)
+    a = torch.randint(2, 1000, (2, 400), device=DEV, generator=g)
+    b = torch.randint(2, 1000, (2, 400), device=DEV, generator=g)
+    patch_model(model, budget=64)
+    model.generate(a, attention_mask=torch.ones_like(a), max_new_tokens=16, do_sample=False)
+    kept = model._quest_state.kept
+    assert kept is not None and kept.decode_path == "captured"
+    captures = model._quest_state.graph.captures
+    out = model.generate(b, attention_mask=torch.ones_like(b), max_new_tokens=16, do_sample=False)
+    assert model._quest_state.kept is kept and kept.reused and model._quest_state.graph.captures == captures
+    release_cache(model)
+    ref = model.generate(b, attention_mask=torch.ones_like(b), max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref)
