@@ -411,3 +411,32 @@ def test_quest_step_end_to_end_matches_reference():
         ids_ref = tk.topk_pages_ref(s_ref, k, group)
         assert torch.equal(ids, ids_ref)
         assert_close(out, tk.sparse_decode_attention_ref(q, kc, vc, ids_ref, valid, L, S, 0.125, 0))
+
+
+@pytest.mark.parametrize("L, window, S", [(45, 13, 4), (45, 40, 4), (97, 16, 16), (33, 100, 8)])
+def test_device_window_equals_the_host_window(L, window, S):
+    # The captured step reads a sliding window's first slot from the device position (pos - window) over the
+    # whole allocation; it must score and attend exactly as the host window_start over the written slots.
+    g = torch.Generator().manual_seed(L + window)
+    B, H, G, D, C = 2, 2, 3, 16, 128
+    keys, values = torch.zeros(B, H, C, D), torch.zeros(B, H, C, D)
+    kmin, kmax = torch.full((B, H, C // S, D), float("inf")), torch.full((B, H, C // S, D), float("-inf"))
+    valid = torch.zeros(B, C, dtype=torch.bool)
+    tk.append_kv_ref(keys, values, kmin, kmax, valid, torch.randn(B, H, L, D, generator=g),
+                     torch.randn(B, H, L, D, generator=g), None, 0)
+    q = torch.randn(B, H * G, D, generator=g)
+    pos, ws = torch.tensor(L), max(0, L - window)
+    P = -(-L // S)
+    for score in (tk.score_pages_ref, tk.score_pages):
+        dev = score(q, kmin, kmax, C, S, 0, "none", pos=pos, window=window)
+        host = score(q, kmin, kmax, L, S, ws, "none")
+        assert torch.equal(dev[..., :P - 1], host[..., :P - 1]) and (dev[..., P - 1] == float("inf")).all()
+        assert (dev[..., P:-1] == float("-inf")).all()  # unwritten pages; the last (spare) one is forced
+    ids = tk.topk_pages_ref(tk.score_pages_ref(q, kmin, kmax, C, S, 0, "none", pos=pos, window=window), 3, G)
+    for attend in (tk.sparse_decode_attention_ref, tk.sparse_decode_attention):
+        dev = attend(q, keys, values, ids, valid, C, S, 0.25, pos=pos, window=window)
+        host = attend(q, keys, values, ids, valid, L, S, 0.25, ws)
+        assert not dev.isnan().any()
+        torch.testing.assert_close(dev, host, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="window= is the device-side sliding window: it needs pos="):
+        tk.score_pages_ref(q, kmin, kmax, C, S, 0, "none", window=window)
