@@ -440,3 +440,85 @@ def test_device_window_equals_the_host_window(L, window, S):
         torch.testing.assert_close(dev, host, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="window= is the device-side sliding window: it needs pos="):
         tk.score_pages_ref(q, kmin, kmax, C, S, 0, "none", window=window)
+
+
+# Soft-cap (Gemma 2) and sinks (GPT-OSS): B, H_q, H_kv, D, S, L, k pages, dtype, padding, softcap, sinks.
+CAP_SINK_CASES = [
+    pytest.param(1, 1, 1, 64, 16, 1, 4, F32, (), 2.0, False, id="len1-cap2"),
+    pytest.param(2, 3, 1, 64, 16, 15, 2, F16, (0, 6), 0.0, True, id="len15-G3-sinks"),
+    pytest.param(2, 4, 1, 128, 16, 17, 1, BF16, (0, 16), 50.0, True, id="len17-G4-k1-cap50-sinks"),
+    pytest.param(2, 8, 1, 64, 16, 100, 3, F16, (37, 0), 5.0, False, id="len100-G8-cap5"),
+    pytest.param(1, 8, 2, 128, 16, 4097, 24, F32, (), 20.0, True, id="len4097-G4-cap20-sinks"),
+    pytest.param(3, 4, 4, 64, 8, 77, 100, F32, (0, 20, 76), 1.0, True, id="len77-G1-k>=P-cap1-sinks"),
+]
+
+
+def _nan_empty(monkeypatch):
+    """Every float torch.empty starts as NaN, so that a slot the kernel does not write fails the test."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("fuse_merge", [True, False], ids=["fused-merge", "merge-kernel"])
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,softcap,use_sinks", CAP_SINK_CASES)
+def test_sparse_attention_softcap_sinks_match_reference(B, Hq, Hkv, D, S, L, k, dtype, pad, softcap, use_sinks,
+                                                        fuse_merge, monkeypatch):
+    monkeypatch.setattr(attn_mod, "FUSE_MERGE_MAX_SPLITS", 1 << 30 if fuse_merge else 0)
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L + 3, pad=pad)
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(B, Hq, D, generator=g) * 3).to(dtype).to(DEV)  # logits well past a cap of 1-5
+    sinks = torch.linspace(-2.0, 4.0, Hq).to(DEV) if use_sinks else None
+    ids = tk.topk_pages_ref(tk.score_pages_ref(q, kmin, kmax, L, S, 0, "none"), k, Hq // Hkv)
+    if B > 1:
+        ids[1, 0] = -1  # a KV head that chose nothing: 0 whatever the sink
+    scale = D ** -0.5
+    want = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, scale, 0, softcap=softcap, sinks=sinks)
+    _nan_empty(monkeypatch)
+    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, scale, 0, softcap=softcap, sinks=sinks)
+    assert_close(got, want)
+    if B > 1:
+        assert (got[1, : Hq // Hkv] == 0).all()
+    plain = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, scale, 0)
+    if L > 1 or use_sinks:  # (one token alone gets weight 1 under any cap)
+        assert (want.float() - plain.float()).abs().max() > 1e-2  # the cap / sinks change the output
+
+
+def test_softcap_sinks_reference_is_the_eager_formula():
+    """The twin against HF's eager formula written out: softcap * tanh(s / softcap), a sink column per query head in
+    the softmax then dropped (GPT-OSS's eager_attention_forward), over every token; also at the device window."""
+    B, Hq, Hkv, D, S, L, C = 2, 6, 2, 32, 8, 45, 64
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, F32, seed=11, pad=(0, 9), C=C)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(5)).to(DEV) * 2
+    sinks = torch.linspace(-1.0, 3.0, Hq).to(DEV)
+    scale, cap, window = 0.3, 4.0, 13
+    ids = torch.arange(C // S, dtype=torch.int32, device=DEV).expand(B, Hkv, -1).contiguous()
+    for pos, win in ((None, 0), (torch.tensor(L), window)):
+        got = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, C if win else L, S, scale, pos=pos, window=win,
+                                             softcap=cap, sinks=sinks)
+        k = kc.repeat_interleave(Hq // Hkv, 1)[:, :, :L]
+        v = vc.repeat_interleave(Hq // Hkv, 1)[:, :, :L]
+        s = torch.einsum("bhd,bhnd->bhn", q, k) * scale
+        s = cap * torch.tanh(s / cap)
+        ok = valid[:, None, :L] & (torch.arange(L, device=DEV) >= (L - win if win else 0))
+        s = s.masked_fill(~ok, float("-inf"))
+        s = torch.cat([s, sinks[None, :, None].expand(B, Hq, 1)], -1)
+        w = torch.softmax(s, -1)[..., :-1]
+        torch.testing.assert_close(got, torch.einsum("bhn,bhnd->bhd", w, v), atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_sinks_checked():
+    kc, vc, kmin, kmax, valid = filled_layer(1, 1, 16, 4, 8, F32, seed=1)
+    q = torch.randn(1, 2, 16).to(DEV)
+    ids = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEV)
+    for attend in (tk.sparse_decode_attention_ref, tk.sparse_decode_attention):
+        with pytest.raises(ValueError, match="softcap must be >= 0"):
+            attend(q, kc, vc, ids, valid, 8, 4, 1.0, softcap=-1.0)
+        with pytest.raises(ValueError, match=r"sinks must be fp32 \[H_q=2\]"):
+            attend(q, kc, vc, ids, valid, 8, 4, 1.0, sinks=torch.zeros(1).to(DEV))
+        with pytest.raises(ValueError, match=r"sinks must be fp32"):
+            attend(q, kc, vc, ids, valid, 8, 4, 1.0, sinks=torch.zeros(2, dtype=F16).to(DEV))

@@ -7,9 +7,15 @@ from .score import _check_pos, window_start_at
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
 
-def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos=None, window=0):
+def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos=None, window=0,
+           softcap=0.0, sinks=None):
     B, H, C, D = k_cache.shape
     G = check_query(q, H, D, B)
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
+    if sinks is not None and (sinks.shape != (H * G,) or sinks.dtype != torch.float32 or sinks.device != q.device):
+        raise ValueError(f"sinks must be fp32 [H_q={H * G}] on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} "
+                         f"on {sinks.device}")
     if page_ids.dim() != 3 or page_ids.shape[:2] != (B, H) or page_ids.dtype != torch.int32:
         raise ValueError(f"page_ids must be int32 [B={B}, H_kv={H}, K], got {page_ids.dtype} {tuple(page_ids.shape)}")
     if valid.shape != (B, C) or valid.dtype != torch.bool:
@@ -23,7 +29,8 @@ def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_star
 
 
 def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
-                                scale: float, window_start: int = 0, pos=None, window: int = 0):
+                                scale: float, window_start: int = 0, pos=None, window: int = 0,
+                                softcap: float = 0.0, sinks=None):
     """Attention of one decode query per row over the tokens of the chosen pages.
 
     q `[B, H_q, D]`; caches `[B, H_kv, C, D]`; page_ids int32 `[B, H_kv, K]` (-1 unused); valid `[B, C]`.
@@ -31,8 +38,12 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     `>= window_start` and valid. Returns `[B, H_q, D]` in q's dtype; fp32 math; all-masked rows give 0.
     `pos` / `window` (the captured step's device position and a sliding window, see `score_pages`): the
     window's first slot `max(0, pos - window)` is read on the device instead of `window_start`.
+    `softcap` > 0: logits become `softcap * tanh(logit / softcap)` (Gemma 2) before the mask. `sinks` fp32 `[H_q]`:
+    one extra logit per query head in the softmax denominator, attending nothing (GPT-OSS), i.e. the output is
+    scaled by `sigmoid(lse - sink)`.
     """
-    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window)
+    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window,
+                        softcap, sinks)
     K = page_ids.shape[2]
     slots = page_ids.long()[..., None] * page_size + torch.arange(page_size, device=q.device)  # [B, H, K, S]
     slots = slots.reshape(B, H, K * page_size)
@@ -48,9 +59,13 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     vals = torch.gather(v_cache, 2, idx).float()
     qf = q.float().reshape(B, H, G, D)
     logits = torch.einsum("bhgd,bhnd->bhgn", qf, keys) * scale
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~ok[:, :, None], float("-inf"))
     w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no token at all gives 0, not NaN
     out = torch.einsum("bhgn,bhnd->bhgd", w, vals)
+    if sinks is not None:  # the sink takes its share of the denominator: sigmoid(lse - sink); no token: 0
+        out = out * torch.sigmoid(torch.logsumexp(logits, -1) - sinks.float().reshape(H, G))[..., None]
     return out.reshape(B, H * G, D).to(q.dtype)
 
 
@@ -79,11 +94,14 @@ def _attn_split(
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_ib, stride_ih, stride_ik,
     stride_vab, stride_vac,
-    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
+    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
-    """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc)."""
+    """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc).
+
+    Logits in log2 units: `q.k * qk_scale`, or with USE_SOFTCAP `softcap_log2 * tanh(q.k * qk_scale)` (the
+    launcher folds scale / softcap into qk_scale)."""
     o_g = tl.arange(0, G_PAD)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)
@@ -124,7 +142,15 @@ def _attn_split(
             b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision="ieee")
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))
-        b_s = tl.where(m_tok[None, :], b_s * qk_scale, float("-inf"))
+        if USE_SOFTCAP:
+            # tanh from exp2 of -2|x| (never overflows): tanh|x| = (1 - t) / (1 + t), t = exp(-2|x|).
+            b_x = b_s * qk_scale
+            b_t = tl.exp2(-2.8853900817779268 * tl.abs(b_x))
+            b_th = (1.0 - b_t) / (1.0 + b_t)
+            b_s = softcap_log2 * tl.where(b_x < 0, -b_th, b_th)
+        else:
+            b_s = b_s * qk_scale
+        b_s = tl.where(m_tok[None, :], b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
         # A tile with no live token keeps m at -inf; subtracting 0 instead avoids -inf - -inf = NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -155,9 +181,11 @@ def _sparse_attn_split_kernel(
     stride_vab, stride_vac,
     stride_ob, stride_oh, stride_od,
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, WINDOW, qk_scale, pos_ptr,
+    softcap_log2, sinks_ptr,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
     FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW_POS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
@@ -167,30 +195,32 @@ def _sparse_attn_split_kernel(
     _attn_split(q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, tl.program_id(1),
                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
                 stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
-                H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale,
-                G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT)
+                H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2,
+                G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP)
     if FUSE_MERGE:
         # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
         # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.
         tl.debug_barrier()
         i_ticket = tl.atomic_add(cnt_ptr + i_bh, 1, sem="acq_rel")
         if i_ticket == NUM_SPLITS - 1:
-            _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, i_b, i_h, H_KV, stride_ob, stride_oh, stride_od,
-                         NUM_SPLITS, G, D, BLOCK_D, BLOCK_S)
+            _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_b, i_h, H_KV, stride_ob, stride_oh,
+                         stride_od, NUM_SPLITS, G, D, BLOCK_D, BLOCK_S, USE_SINKS)
 
 
 @triton.jit
-def _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, i_b, i_h, H_KV, stride_ob, stride_oh, stride_od, NUM_SPLITS,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_b, i_h, H_KV, stride_ob, stride_oh, stride_od,
+                 NUM_SPLITS, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                 USE_SINKS: tl.constexpr):
     """Merge the G query heads of KV head (i_b, i_h), reading the other programs' partials from L2 (.cg)."""
     for g in tl.static_range(G):
-        _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, (i_b * H_KV + i_h) * G + g, i_b, i_h * G + g,
-                   stride_ob, stride_oh, stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, ".cg")
+        _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, (i_b * H_KV + i_h) * G + g, i_b, i_h * G + g,
+                   stride_ob, stride_oh, stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, ".cg", USE_SINKS)
 
 
 @triton.jit
-def _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_b, i_hq, stride_ob, stride_oh, stride_od, NUM_SPLITS,
-               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
+def _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_row, i_b, i_hq, stride_ob, stride_oh, stride_od,
+               NUM_SPLITS, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr,
+               USE_SINKS: tl.constexpr):
     o_s = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     m_s = o_s < NUM_SPLITS
@@ -201,9 +231,14 @@ def _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_b, i_hq, stride_ob, stri
                     mask=m_s[:, None] & m_d[None, :], other=0.0, cache_modifier=CACHE)
     # Log-sum-exp merge of the splits' partial softmaxes (m is already in log2 units).
     i_m = tl.max(b_m, axis=0)
+    if USE_SINKS:  # the head's sink logit joins the denominator (log2 units: x LOG2E), attending nothing
+        b_sink = tl.load(sinks_ptr + i_hq).to(tl.float32) * 1.4426950408889634
+        i_m = tl.maximum(i_m, b_sink)
     i_m = tl.where(i_m == float("-inf"), 0.0, i_m)
     b_w = tl.exp2(b_m - i_m)
     i_l = tl.sum(b_l * b_w, axis=0)
+    if USE_SINKS:
+        i_l += tl.exp2(b_sink - i_m)
     b_o = tl.sum(b_acc * b_w[:, None], axis=0)
     # A head whose chosen pages hold no live token gets 0, as in the reference.
     b_o = tl.where(i_l > 0, b_o / tl.where(i_l > 0, i_l, 1.0), 0.0)
@@ -213,14 +248,14 @@ def _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_b, i_hq, stride_ob, stri
 
 @triton.jit
 def _sparse_attn_merge_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr,
     stride_ob, stride_oh, stride_od,
     H_Q, NUM_SPLITS,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
     i_row = tl.program_id(0).to(tl.int64)
-    _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, i_row, i_row // H_Q, i_row % H_Q, stride_ob, stride_oh, stride_od,
-               NUM_SPLITS, D, BLOCK_D, BLOCK_S, "")
+    _merge_row(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_row, i_row // H_Q, i_row % H_Q, stride_ob, stride_oh,
+               stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, "", USE_SINKS)
 
 
 def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int]:
@@ -233,16 +268,19 @@ def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int
 
 
 def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
-                            scale: float, window_start: int = 0, pos=None, window: int = 0):
+                            scale: float, window_start: int = 0, pos=None, window: int = 0,
+                            softcap: float = 0.0, sinks=None):
     """Triton twin of `sparse_decode_attention_ref` (flash-decoding over the chosen pages).
 
     q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
     page_ids int32 `[B, H_kv, K]`, -1 ignored wherever it sits; valid bool `[B, C]`. Returns a fresh
     `[B, H_q, D]` in q's dtype. Workspace: fp32 partials of `B * H_q * splits * (D + 2)` floats per call and,
-    with few splits (FUSE_MERGE_MAX_SPLITS), `B * H_kv` int32 tickets (zeroed).
+    with few splits (FUSE_MERGE_MAX_SPLITS), `B * H_kv` int32 tickets (zeroed). `softcap` and `sinks` as in the
+    reference (constexpr flags USE_SOFTCAP / USE_SINKS: without them the kernel is the plain one).
     """
     require_triton()
-    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window)
+    B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window,
+                        softcap, sinks)
     K = page_ids.shape[2]
     splits, ids_each = _num_splits(q.device, B * H, K, page_size)
     m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
@@ -262,19 +300,22 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         page_ids.stride(0), page_ids.stride(1), page_ids.stride(2),
         valid_u8.stride(0), valid_u8.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        H, K, ids_each, splits, seq_len, window_start, window, scale * LOG2E, pos if window else valid_u8,
+        H, K, ids_each, splits, seq_len, window_start, window,
+        scale / softcap if softcap else scale * LOG2E, pos if window else valid_u8,
+        softcap * LOG2E, sinks if sinks is not None else m_part,
         G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N,
         # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         FUSE_MERGE=fuse, BLOCK_S=block_s, HAS_WINDOW_POS=window > 0,
+        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not fuse:
         _sparse_attn_merge_kernel[(B * H * G,)](
-            m_part, l_part, acc_part, out,
+            m_part, l_part, acc_part, out, sinks if sinks is not None else m_part,
             out.stride(0), out.stride(1), out.stride(2),
             H * G, splits,
-            D=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=4,
+            D=D, BLOCK_D=block_d, BLOCK_S=block_s, USE_SINKS=sinks is not None, num_warps=4,
         )
     return out
