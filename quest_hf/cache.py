@@ -80,6 +80,9 @@ class QuestLayer(CacheLayerMixin):
         self.seq_len = 0
         self.reserved = capacity  # tokens the first allocation holds (None: the first update's + one growth step)
         self.kmin = self.kmax = self.valid = self.pos = None
+        # Beam search's page table, int32 [B, P]: the batch row holding page p of sequence b (None: its own row;
+        # made by the first reorder under a selector whose kernels read through it, then only changed in place).
+        self.rows: torch.Tensor | None = None
         self.side: dict[str, torch.Tensor] = {}
         self.side_state: dict = {}
         self.ops: Ops | None = None
@@ -134,6 +137,7 @@ class QuestLayer(CacheLayerMixin):
 
     def _allocate(self, tokens: int) -> None:
         """Move to buffers of `tokens` slots (rounded up to pages) plus the spare page, keeping what is stored."""
+        self._materialize()
         S = self.page_size
         cap = -(-tokens // S) * S + S
         B, H, D, Dv = self._shape
@@ -216,7 +220,27 @@ class QuestLayer(CacheLayerMixin):
         return -1  # it grows
 
     # Everything below acts on every buffer (the mixin's versions only know keys/values).
+    def _materialize(self) -> None:
+        """Apply the page table to the buffers (each sequence's pages moved into its own row); drop the table."""
+        if self.rows is None:
+            return
+        S, rows = self.page_size, self.rows
+        B, H, C, D = self.keys.shape
+        P = C // S
+
+        def apply(t, paged):  # t viewed as [B, H, P, ...], page p of row b taken from row rows[b, p]
+            return tk.score.gather_rows(t.reshape(paged), rows).reshape(t.shape).contiguous()
+
+        self.keys = apply(self.keys, (B, H, P, S, D))
+        self.values = apply(self.values, (B, H, P, S, self.values.shape[-1]))
+        self.kmin, self.kmax = apply(self.kmin, self.kmin.shape), apply(self.kmax, self.kmax.shape)
+        self.valid = apply(self.valid, (B, 1, P, S))
+        self.side = {n: apply(t, (B, H, P, S, *t.shape[3:])) for n, t in self.side.items()}
+        self.rows = None
+        self.allocations += 1
+
     def _map(self, fn) -> None:
+        self._materialize()
         if self.is_initialized:
             for name in ("keys", "values", "kmin", "kmax", "valid"):
                 setattr(self, name, fn(getattr(self, name)))
@@ -231,14 +255,47 @@ class QuestLayer(CacheLayerMixin):
             self.kmax.fill_(float("-inf"))
             self.valid.zero_()
             self.pos.zero_()
+            if self.rows is not None:  # in place: a captured step reads this table
+                self.rows.copy_(self._own_rows())
         self.side_state.clear()
         self.seq_len = 0
 
+    def _own_rows(self) -> torch.Tensor:
+        B, P = self._shape[0], self.keys.shape[2] // self.page_size
+        return torch.arange(B, dtype=torch.int32, device=self.device)[:, None].expand(B, P)
+
+    def _privatize(self, page: int, source_rows: torch.Tensor) -> None:
+        """Copy page `page` of each sequence from batch row `source_rows[b]` into its own row b (it will write it)."""
+        S = self.page_size
+        src, sl = source_rows.long(), slice(page * S, (page + 1) * S)
+        self.keys[:, :, sl] = self.keys[src, :, sl]  # advanced indexing reads a copy before the write
+        self.values[:, :, sl] = self.values[src, :, sl]
+        self.valid[:, sl] = self.valid[src, sl]
+        self.kmin[:, :, page] = self.kmin[src, :, page]
+        self.kmax[:, :, page] = self.kmax[src, :, page]
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # In place: a captured step holds these addresses.
-        if self.is_initialized:
+        """Beam search: sequence b continues sequence `beam_idx[b]`. With a selector whose kernels read the page
+        table, the full pages are shared through `rows` (no copy) and only the partial page is copied; otherwise
+        every buffer is permuted in place. Either way in place: a captured step holds these addresses."""
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        if not self.selector.paged_reorder:
+            self._materialize()
             for t in (self.keys, self.values, self.kmin, self.kmax, self.valid, *self.side.values()):
-                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+                t.copy_(t.index_select(0, beam_idx))
+            return
+        if self.rows is None:
+            self.rows = self._own_rows().contiguous()
+            self.allocations += 1  # a step captured without the table must be captured anew
+        S, L = self.page_size, self.seq_len
+        full = L // S  # pages before this one are complete: never written again, so shared
+        rows = self.rows.index_select(0, beam_idx)
+        if L % S:
+            self._privatize(full, rows[:, full])
+        rows[:, full:] = self._own_rows()[:, full:]
+        self.rows.copy_(rows)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -264,6 +321,11 @@ class QuestLayer(CacheLayerMixin):
             raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache of {self.seq_len}")
         S = self.page_size
         start = new_len // S * S  # the boundary page is rebuilt from its surviving tokens
+        if self.rows is not None:  # the boundary page may be shared by beams: each takes its own copy
+            p = start // S
+            if p < self.rows.shape[1]:
+                self._privatize(p, self.rows[:, p].clone())
+                self.rows[:, p:] = self._own_rows()[:, p:]
         keep_k, keep_v = self.keys[:, :, start:new_len].clone(), self.values[:, :, start:new_len].clone()
         keep_valid = self.valid[:, start:new_len].clone()
         self.kmin[:, :, start // S:].fill_(float("inf"))

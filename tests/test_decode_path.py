@@ -337,3 +337,31 @@ def test_generate_reaches_the_captured_step_and_an_unknown_argument_is_named(fak
     model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     model(input_ids=ids[:, -1:], past_key_values=cache, output_hidden_states=True)
     assert cache.decode_path == "eager: the captured step does not take output_hidden_states"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_beam_reorder_shares_full_pages_through_the_page_table(backend, monkeypatch, single_thread):
+    # quest's kernels read pages through `layer.rows`: a reorder copies only the partial page. The result must be
+    # the physical reorder's (every buffer permuted) token for token and, once the table is applied, byte for byte.
+    from quest_hf.selectors import QuestSelector
+
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3 if backend == "torch" else 2)
+    ids, mask = left_padded_batch(lengths=(61, 40) if backend == "torch" else (41, 30))  # the interpreter is slow
+    new = 21 if backend == "torch" else 6
+    kw = dict(max_new_tokens=new, num_beams=3, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    patch_model(model, budget=32, page_size=8, dense_layers=1, backend=backend)
+    paged = model.generate(ids, attention_mask=mask, **kw)
+    monkeypatch.setattr(QuestSelector, "paged_reorder", False)
+    copied = model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(paged.sequences, copied.sequences)
+    for a, b in zip(paged.scores, copied.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for lp, lc in zip(paged.past_key_values.layers, copied.past_key_values.layers):
+        assert lp.rows is not None and lc.rows is None
+        assert (lp.rows != torch.arange(6, dtype=torch.int32)[:, None]).any()  # pages are shared, not copied
+        lp._materialize()
+        n = lp.seq_len
+        assert lp.rows is None and n == lc.seq_len
+        assert torch.equal(lp.keys[:, :, :n], lc.keys[:, :, :n]) and torch.equal(lp.valid[:, :n], lc.valid[:, :n])
+        P = -(-n // 8)
+        assert torch.equal(lp.kmin[:, :, :P], lc.kmin[:, :, :P]) and torch.equal(lp.kmax[:, :, :P], lc.kmax[:, :, :P])

@@ -41,8 +41,24 @@ def window_start_at(pos, window: int, page_size: int = 1):
     return torch.div(start, page_size, rounding_mode="floor")
 
 
+def check_rows(rows, batch: int, pages: int, device):
+    """A page table `rows` int32 `[B, P_cap]`: the batch row holding each sequence's page (None: its own row)."""
+    if rows is not None and (rows.dtype != torch.int32 or rows.dim() != 2 or rows.shape[0] != batch
+                             or rows.shape[1] < pages or rows.device != device):
+        raise ValueError(f"rows must be int32 [B={batch}, >= {pages} pages] on {device}, "
+                         f"got {rows.dtype} {tuple(rows.shape)} on {rows.device}")
+
+
+def gather_rows(t, rows):
+    """`t [B, H, P, ...]` read through a page table `rows [B, >= P]`: `out[b, h, p] = t[rows[b, p], h, p]`."""
+    if rows is None:
+        return t
+    P = t.shape[2]
+    return t[rows[:, :P].long(), :, torch.arange(P, device=t.device)].transpose(1, 2)
+
+
 def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                    pos=None, window: int = 0):
+                    pos=None, window: int = 0, rows=None):
     """Score the `P = ceil(seq_len / S)` pages of a layer for one decode query.
 
     q `[B, H_q, D]`; kmin/kmax `[B, H_kv, P_cap, D]`. Returns fp32 `[B, H_q, P]` (`reduce="none"`) or
@@ -50,10 +66,13 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     chosen); empty pages (padding only) and pages ending before `window_start` score `-inf` (never chosen).
     `pos` (one integer on q's device: the captured step's write position) forces page `(pos - 1) // S` too;
     with `window > 0` (a sliding window, read with `pos` on the device) the pages ending before
-    `max(0, pos - window)` score `-inf` as well.
+    `max(0, pos - window)` score `-inf` as well. `rows` (int32 `[B, P_cap]`, beam search's page table): page
+    `p` of sequence `b` is read from batch row `rows[b, p]`.
     """
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
     _check_pos(pos, q.device, window, window_start)
+    check_rows(rows, B, P, q.device)
+    kmin, kmax = gather_rows(kmin[:, :, :P], rows), gather_rows(kmax[:, :, :P], rows)
     qf = q.float().reshape(B, H, G, 1, D)
     lo, hi = kmin[:, :, None, :P].float(), kmax[:, :, None, :P].float()
     empty = (kmin[:, :, :P, 0] > kmax[:, :, :P, 0])[:, :, None]  # [B, H, 1, P]
@@ -85,7 +104,7 @@ _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 @triton.jit
 def _score_block(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_h, o_p,
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_h, o_p, o_row,
     stride_qb, stride_qh, stride_qd,
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
@@ -93,19 +112,20 @@ def _score_block(
     P, P_DEAD, CUR,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
 ):
-    """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf."""
+    """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
+    bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise)."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
     m_pd = m_p[:, None] & m_d[None, :]
     # The tile is read from HBM once and scored for every query head of the KV group.
-    p_lo = kmin_ptr + i_b * stride_nb + i_h * stride_nh + o_p[:, None] * stride_np + o_d[None, :] * stride_nd
-    p_hi = kmax_ptr + i_b * stride_xb + i_h * stride_xh + o_p[:, None] * stride_xp + o_d[None, :] * stride_xd
+    p_lo = kmin_ptr + o_row[:, None] * stride_nb + i_h * stride_nh + o_p[:, None] * stride_np + o_d[None, :] * stride_nd
+    p_hi = kmax_ptr + o_row[:, None] * stride_xb + i_h * stride_xh + o_p[:, None] * stride_xp + o_d[None, :] * stride_xd
     b_lo = tl.load(p_lo, mask=m_pd, other=0.0).to(tl.float32)
     b_hi = tl.load(p_hi, mask=m_pd, other=0.0).to(tl.float32)
     # Same emptiness test as the reference (first channel only); these addresses are already in L1.
-    b_lo0 = tl.load(kmin_ptr + i_b * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0.0)
-    b_hi0 = tl.load(kmax_ptr + i_b * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0.0)
+    b_lo0 = tl.load(kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0.0)
+    b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0.0)
     m_dead = (b_lo0.to(tl.float32) > b_hi0.to(tl.float32)) | (o_p < P_DEAD)
     m_cur = (o_p == P - 1) | (o_p == CUR)
 
@@ -129,31 +149,36 @@ def _score_block(
 
 @triton.jit
 def _score_pages_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr, pos_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, pos_ptr, rows_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
-    stride_ob, stride_oh, stride_op,
+    stride_ob, stride_oh, stride_op, stride_rb,
     H_KV, P, P_DEAD, PAGE, WINDOW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+    i_b = i_bh // H_KV
     o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    if HAS_ROWS:  # beam search: each page of this sequence lives in the batch row its page table names
+        o_row = tl.load(rows_ptr + i_b * stride_rb + o_p, mask=o_p < P, other=0).to(tl.int64)
+    else:
+        o_row = tl.zeros([BLOCK_P], dtype=tl.int64) + i_b
     cur = P - 1
     if HAS_POS:  # the page of the last token written, read on the device (no host sync, graph-capturable)
         i_pos = tl.load(pos_ptr).to(tl.int32)
         cur = (i_pos - 1) // PAGE
         if WINDOW > 0:  # sliding window: pages ending before the window's first slot are never chosen
             P_DEAD = tl.maximum(i_pos - WINDOW, 0) // PAGE
-    _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_bh // H_KV, i_bh % H_KV, o_p,
+    _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_bh % H_KV, o_p, o_row,
                  stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                  stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
                  P, P_DEAD, cur, G, D, BLOCK_D, BLOCK_P, REDUCE)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                pos=None, window: int = 0):
+                pos=None, window: int = 0, rows=None):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
@@ -162,17 +187,18 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     require_triton()
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
     _check_pos(pos, q.device, window, window_start)
-    rows = H * G if reduce == "none" else H
-    out = torch.empty(B, rows, P, dtype=torch.float32, device=q.device)
+    check_rows(rows, B, P, q.device)
+    out = torch.empty(B, H * G if reduce == "none" else H, P, dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(P, BLOCK_P))
     _score_pages_kernel[grid](
-        q, kmin, kmax, out, pos if pos is not None else out,
+        q, kmin, kmax, out, pos if pos is not None else out, rows if rows is not None else out,
         q.stride(0), q.stride(1), q.stride(2),
         kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), rows.stride(0) if rows is not None else 0,
         H, P, window_start // page_size, page_size, window,
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
+        HAS_ROWS=rows is not None,
         num_warps=NUM_WARPS,
     )
     return out

@@ -2,7 +2,7 @@
 import torch
 
 from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
-from .score import _check_pos, window_start_at
+from .score import _check_pos, check_rows, gather_rows, window_start_at
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
 
@@ -30,7 +30,7 @@ def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_star
 
 def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
                                 scale: float, window_start: int = 0, pos=None, window: int = 0,
-                                softcap: float = 0.0, sinks=None):
+                                softcap: float = 0.0, sinks=None, rows=None):
     """Attention of one decode query per row over the tokens of the chosen pages.
 
     q `[B, H_q, D]`; caches `[B, H_kv, C, D]`; page_ids int32 `[B, H_kv, K]` (-1 unused); valid `[B, C]`.
@@ -40,10 +40,19 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     window's first slot `max(0, pos - window)` is read on the device instead of `window_start`.
     `softcap` > 0: logits become `softcap * tanh(logit / softcap)` (Gemma 2) before the mask. `sinks` fp32 `[H_q]`:
     one extra logit per query head in the softmax denominator, attending nothing (GPT-OSS), i.e. the output is
-    scaled by `sigmoid(lse - sink)`.
+    scaled by `sigmoid(lse - sink)`. `rows` (int32 `[B, C // S]`, beam search's page table): page `p` of sequence
+    `b` is read from batch row `rows[b, p]` (keys, values and valid slots).
     """
     B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window,
                         softcap, sinks)
+    check_rows(rows, B, k_cache.shape[2] // page_size, q.device)
+    if rows is not None:  # read every page through the table: the same storage as seen by each sequence
+        S = page_size
+        B_, H_, C, _ = k_cache.shape
+        paged = lambda t: t.reshape(t.shape[0], t.shape[1], C // S, S, -1)  # noqa: E731
+        k_cache = gather_rows(paged(k_cache), rows).reshape(B, H, C, -1)
+        v_cache = gather_rows(paged(v_cache), rows).reshape(B, H, C, -1)
+        valid = gather_rows(valid.reshape(B, 1, C // S, S), rows).reshape(B, C)
     K = page_ids.shape[2]
     slots = page_ids.long()[..., None] * page_size + torch.arange(page_size, device=q.device)  # [B, H, K, S]
     slots = slots.reshape(B, H, K * page_size)
@@ -94,14 +103,16 @@ def _attn_split(
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_ib, stride_ih, stride_ik,
     stride_vab, stride_vac,
-    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2,
+    H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2, rows_ptr, stride_rb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc).
 
     Logits in log2 units: `q.k * qk_scale`, or with USE_SOFTCAP `softcap_log2 * tanh(q.k * qk_scale)` (the
-    launcher folds scale / softcap into qk_scale)."""
+    launcher folds scale / softcap into qk_scale). With HAS_ROWS each chosen page is read from the batch row that
+    the page table `rows [B, P]` names for it (beam search shares the full pages of a common prefix)."""
     o_g = tl.arange(0, G_PAD)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)
@@ -125,19 +136,32 @@ def _attn_split(
     i_t1 = i_id1 * PAGE
     o_t = i_id0 * PAGE + o_n
     b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1)
+    p_row = rows_ptr + i_b * stride_rb
+    if HAS_ROWS:  # loaded one step ahead too, right after the page id it depends on
+        b_row = tl.load(p_row + b_page, mask=b_page >= 0, other=0).to(tl.int64)
+    else:
+        b_row = tl.zeros([BLOCK_N], dtype=tl.int64) + i_b
     for i_t0 in range(i_id0 * PAGE, i_t1, BLOCK_N):
         o_t = i_t0 + o_n  # position in this row's list of chosen tokens
         o_slot = b_page * PAGE + o_t % PAGE
+        if HAS_ROWS:
+            p_kn = k_ptr + b_row[:, None] * stride_kb + i_h * stride_kh
+            p_vn = v_ptr + b_row[:, None] * stride_vb + i_h * stride_vh
+            p_okn = valid_ptr + b_row * stride_vab
+        else:
+            p_kn, p_vn, p_okn = p_k, p_v, valid_ptr + i_b * stride_vab
         # Fetch only slots that exist; validity and the window join the mask on the logits, so the
         # K/V loads do not wait for the valid[] load.
         m_n = (b_page >= 0) & (o_slot < SEQ_LEN)
         o_tn = o_t + BLOCK_N
         b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1)
-        b_ok = tl.load(valid_ptr + i_b * stride_vab + o_slot * stride_vac, mask=m_n, other=0)
+        b_ok = tl.load(p_okn + o_slot * stride_vac, mask=m_n, other=0)
         m_tok = m_n & (b_ok != 0) & (o_slot >= WINDOW_START)
         m_nd = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(p_k + o_slot[:, None] * stride_kc + o_d[None, :] * stride_kd, mask=m_nd, other=0.0)
-        b_v = tl.load(p_v + o_slot[:, None] * stride_vc + o_d[None, :] * stride_vd, mask=m_nd, other=0.0)
+        b_k = tl.load(p_kn + o_slot[:, None] * stride_kc + o_d[None, :] * stride_kd, mask=m_nd, other=0.0)
+        b_v = tl.load(p_vn + o_slot[:, None] * stride_vc + o_d[None, :] * stride_vd, mask=m_nd, other=0.0)
+        if HAS_ROWS:
+            b_row = tl.load(p_row + b_page, mask=b_page >= 0, other=0).to(tl.int64)
         if USE_FP32_DOT:
             b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision="ieee")
         else:
@@ -181,11 +205,11 @@ def _sparse_attn_split_kernel(
     stride_vab, stride_vac,
     stride_ob, stride_oh, stride_od,
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, WINDOW, qk_scale, pos_ptr,
-    softcap_log2, sinks_ptr,
+    softcap_log2, sinks_ptr, rows_ptr, stride_rb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
     FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW_POS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
@@ -196,7 +220,7 @@ def _sparse_attn_split_kernel(
                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
                 stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
                 H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2,
-                G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP)
+                rows_ptr, stride_rb, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, HAS_ROWS)
     if FUSE_MERGE:
         # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
         # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.
@@ -269,7 +293,7 @@ def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int
 
 def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
                             scale: float, window_start: int = 0, pos=None, window: int = 0,
-                            softcap: float = 0.0, sinks=None):
+                            softcap: float = 0.0, sinks=None, rows=None):
     """Triton twin of `sparse_decode_attention_ref` (flash-decoding over the chosen pages).
 
     q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
@@ -281,6 +305,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     require_triton()
     B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window,
                         softcap, sinks)
+    check_rows(rows, B, k_cache.shape[2] // page_size, q.device)
     K = page_ids.shape[2]
     splits, ids_each = _num_splits(q.device, B * H, K, page_size)
     m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
@@ -302,13 +327,14 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         out.stride(0), out.stride(1), out.stride(2),
         H, K, ids_each, splits, seq_len, window_start, window,
         scale / softcap if softcap else scale * LOG2E, pos if window else valid_u8,
-        softcap * LOG2E, sinks if sinks is not None else m_part,
+        softcap * LOG2E, sinks if sinks is not None else m_part, rows if rows is not None else page_ids,
+        rows.stride(0) if rows is not None else 0,
         G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N,
         # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         FUSE_MERGE=fuse, BLOCK_S=block_s, HAS_WINDOW_POS=window > 0,
-        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None,
+        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, HAS_ROWS=rows is not None,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not fuse:

@@ -18,6 +18,9 @@ class Selector:
     """
 
     captured = True
+    # Whether every kernel of this selector reads pages through the layer's page table (`layer.rows`), so that a
+    # beam-search reorder permutes page rows instead of copying the cache; False: the reorder copies the buffers.
+    paged_reorder = False
 
     def on_append(self, layer, key_states: torch.Tensor, start: int, valid_new: torch.Tensor | None) -> None:
         """After `key_states [B, H_kv, T, D]` were stored at slots `[start, start + T)`. For one token (a decode
@@ -30,11 +33,14 @@ class Selector:
         """Page ids for decode query `q [B, H_q, D]`; `window` > 0: a sliding window of that many tokens."""
         raise NotImplementedError
 
-    def attend(self, layer, q: torch.Tensor, scale: float, window: int, on_select) -> torch.Tensor:
-        """The decode output `[B, H_q, D]`: attention over the selected pages. `on_select(ids)` sees the ids."""
+    def attend(self, layer, q: torch.Tensor, scale: float, window: int, on_select, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode output `[B, H_q, D]`: attention over the selected pages. `on_select(ids)` sees the ids.
+        `softcap` / `sinks` (fp32 `[H_q]`): the family's logit cap and softmax sinks, as `attend_pages` applies them
+        (neither changes which pages a selector should rank first: tanh is monotonic, a sink attends nothing)."""
         ids = self.select(layer, q, window)
         on_select(ids)
-        return attend_pages(layer, q, ids, scale, window)
+        return attend_pages(layer, q, ids, scale, window, softcap, sinks)
 
     def bytes_per_step(self, seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int,
                        pages_read: float, budget: int, group: int) -> float:
@@ -42,11 +48,20 @@ class Selector:
         raise NotImplementedError(f"{type(self).__name__} does not account its bytes")
 
 
-def attend_pages(layer, q: torch.Tensor, ids: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """Exact attention of `q [B, H_q, D]` over the tokens of pages `ids` (fixed shapes, device position)."""
+def attend_pages(layer, q: torch.Tensor, ids: torch.Tensor, scale: float, window: int, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention of `q [B, H_q, D]` over the tokens of pages `ids` (fixed shapes, device position), with the
+    logit cap `softcap * tanh(s / softcap)` (0: none) and per-query-head `sinks` fp32 `[H_q]` (None: none)."""
+    kw = {}
+    if softcap:
+        kw["softcap"] = softcap
+    if sinks is not None:
+        kw["sinks"] = sinks
+    if layer.rows is not None:  # beam search's page table (QuestLayer.reorder_cache)
+        kw["rows"] = layer.rows
     return layer.ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.valid, layer.keys.shape[2],
                                              layer.page_size, scale, 0, pos=layer.pos if window else None,
-                                             window=window)
+                                             window=window, **kw)
 
 
 def top_pages(layer, scores: torch.Tensor, group: int, k: int) -> torch.Tensor:
