@@ -1,4 +1,5 @@
 """Shape/dtype checks shared by every launcher and reference (see `_contract.md`), and Triton plumbing."""
+import functools
 import os
 
 import torch
@@ -68,5 +69,11 @@ def next_pow2(n: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Multiprocessors to fill; the interpreter (CPU) gets a small fixed number so tests cover several splits."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    # Read once per device, not on every launch (host time of an uncaptured decode step).
+    return torch.cuda.get_device_properties(index).multi_processor_count

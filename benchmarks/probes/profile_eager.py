@@ -82,10 +82,11 @@ def main():
         C, S = layer.capacity, layer.page_size
         k1 = torch.randn(1, layer.keys.shape[1], 1, layer.keys.shape[-1], device="cuda", dtype=torch.float16)
         scores = tk.score_pages(q, layer.kmin, layer.kmax, C, S, 0, "none", pos=layer.pos)
-        ids_ = tk.topk_pages(scores, 65, 1)
+        group = q.shape[1] // layer.kmin.shape[1]
+        ids_ = tk.topk_pages(scores, 65, group)
         for name, fn in [
             ("score_pages", lambda: tk.score_pages(q, layer.kmin, layer.kmax, C, S, 0, "none", pos=layer.pos)),
-            ("topk_pages", lambda: tk.topk_pages(scores, 65, 1)),
+            ("topk_pages", lambda: tk.topk_pages(scores, 65, group)),
             ("sparse_decode_attention", lambda: tk.sparse_decode_attention(q, layer.keys, layer.values, ids_,
                                                                            layer.valid, C, S, 0.1)),
             ("append_token_at", lambda: tk.append_token_at(layer.keys, layer.values, layer.kmin, layer.kmax,
