@@ -4,6 +4,7 @@
     patch_model(model, budget=2048, page_size=16)
     model.generate(...)
 """
+from . import versions  # noqa: F401 - first: refuses an unsupported transformers before its classes are used
 from .cache import QuestCache, QuestLayer
 from .config import QuestConfig
 from .patch import SUPPORTED_MODEL_TYPES, patch_model, patched, release_cache, unpatch_model

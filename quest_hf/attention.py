@@ -1,12 +1,17 @@
 """The "quest" attention function registered with HF's AttentionInterface.
 
-Prefill (more than one query token) runs HF's dense SDPA. Every decode token runs one fixed-shape step over the
-layer's pages (no host state, so the same step runs eagerly and inside a captured CUDA graph):
+Prefill (more than one query token) runs HF's dense SDPA, or the family's own `eager_attention_forward` where the
+layer has a logit soft-cap or sinks (SDPA drops or refuses them). Every decode token runs one fixed-shape step over
+the layer's pages (no host state, so the same step runs eagerly and inside a captured CUDA graph), with the layer's
+window, soft-cap, sinks and scaling as `quest_hf.families.describe` reads them from the model:
 
     dense layer (the first `dense_layers`; or the window fits the budget) ─► every page (of the window) ─┐
     sparse layer ─► the policy's selector: score ─► Top-K ─► page ids ──────────────────────────────────┴► attention
 """
 from __future__ import annotations
+
+import importlib
+import sys
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -17,15 +22,35 @@ from .selectors import attend_pages
 NAME = "quest"  # avoid "sdpa"/"flash"/"paged": transformers matches those substrings specially
 
 
-def decode_attention(layer, q: torch.Tensor, scale: float, dense: bool, window: int, on_select) -> torch.Tensor:
-    """One decode query `q [B, H_q, D]` over `layer` (a QuestLayer): `[B, H_q, D]`."""
+def decode_attention(layer, q: torch.Tensor, scale: float, dense: bool, window: int, on_select,
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode query `q [B, H_q, D]` over `layer` (a QuestLayer): `[B, H_q, D]`. `softcap` (0: none) and
+    `sinks` (fp32 `[H_q]` or None) are the family's, applied by the page kernel on either path."""
     cfg = layer.config
     pages = layer.keys.shape[2] // cfg.page_size
     if cfg.num_pages + 1 >= pages or (window and window <= cfg.budget):
         dense = True  # everything the query may see fits the budget: exact dense attention, no selection
     if dense:
-        return attend_pages(layer, q, layer.dense_pages(window), scale, window)
-    return layer.selector.attend(layer, q, scale, window, on_select)
+        return attend_pages(layer, q, layer.dense_pages(window), scale, window, softcap, sinks)
+    return layer.selector.attend(layer, q, scale, window, on_select, softcap, sinks)
+
+
+def family_eager(module):
+    """The `eager_attention_forward` of `module`'s own modeling file (None when it has none)."""
+    modeling = sys.modules.get(type(module).__module__) or importlib.import_module(type(module).__module__)
+    return getattr(modeling, "eager_attention_forward", None)
+
+
+def _eager_prefill(module, query, key, value, attention_mask, **kwargs):
+    """Dense attention through the family's eager function (it applies soft-caps and sinks as the family does).
+
+    The "quest" mask is SDPA's: bool (True: attend), or None where SDPA may run causally; eager adds a float mask."""
+    q, L = query.shape[2], key.shape[2]
+    if attention_mask is None:  # no padding and nothing past any window: plain causal over the last q positions
+        attention_mask = torch.ones(q, L, dtype=torch.bool, device=query.device).tril(L - q)[None, None]
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+    return family_eager(module)(module, query, key, value, attention_mask, **kwargs)
 
 
 def quest_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -36,12 +61,22 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
     """
     state = getattr(module, "_quest_state", None)
     cache = state.cache if state is not None else None
+    softcap = kwargs.get("softcap") or 0.0
+    sinks = kwargs.get("s_aux")
+    if sinks is None and getattr(module, "sinks", None) is not None:
+        sinks = module.sinks
     if cache is None or query.shape[2] != 1:
+        if softcap or sinks is not None:
+            return _eager_prefill(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  sliding_window=sliding_window, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     idx = module.layer_idx
     layer = cache.layers[idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # The window the mask carries (families.describe), not the keyword: Qwen2-MoE's sliding layers pass none.
+    info = state.attention.get(idx) if getattr(state, "attention", None) else None
+    window = (info.window if info.kind == "sliding" else 0) if info is not None else (sliding_window or 0)
     q = query[:, :, 0]
     hooks = cache.selection_hooks
 
@@ -49,5 +84,6 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
         if hooks:
             selected(getattr(state, "graph", None), idx, q, ids, layer, hooks)
 
-    out = decode_attention(layer, q, scale, idx < layer.config.dense_layers, sliding_window or 0, on_select)
+    out = decode_attention(layer, q, scale, idx < layer.config.dense_layers, window, on_select, softcap,
+                           sinks.float() if sinks is not None else None)
     return out[:, None], None

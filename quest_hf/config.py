@@ -1,5 +1,5 @@
 """QuestConfig: every knob of quest-hf, validated once on creation."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GQA_MODES = ("union", "max", "sum")
 BACKENDS = ("auto", "torch", "triton")
@@ -35,8 +35,10 @@ class QuestConfig:
             rotary embedding through `torch.compile` (fusing HF's elementwise code, as HF's compiled
             static path does): on an H200, 7B at 32K decodes in 6.5 instead of 8.5 ms a token. The first
             decode step of a new batch size pays the compile (seconds to tens of seconds); a compile
-            error is logged and that module runs eagerly (`quest_hf.fuse.FAILED` says what). Prefill,
-            CPU and the attention are never compiled. `False`: plain eager modules.
+            error is logged and that module runs eagerly (`model._quest_state.compiled.failed` says what).
+            Prefill, CPU and the attention are never compiled. `False`: plain eager modules.
+        compile_backend: the `torch.compile` backend of `compile_decode` (default `"inductor"`; `"eager"` or
+            `"aot_eager"` to debug the wrapping without code generation).
         defer_stop_check: `True` (default): `generate()` on CUDA decides whether to stop one step late,
             so the host queues the next step instead of waiting for the GPU after every token (HF's own
             `DeferredStopCheck`, which transformers turns on only for "mps"; 7B at 32K on an H200: 6.38
@@ -48,6 +50,10 @@ class QuestConfig:
             `"streaming"` (first page + most recent pages, query-agnostic baseline) and `"oracle"`
             (top-budget tokens by exact q.k per head; reads every key, for evaluation only) go through the
             same decode path for comparisons.
+
+    Two settings are for tests only (they let the CPU suite run what is CUDA-only): `_compile_devices`, the
+    device types whose one-token inputs `compile_decode` compiles, and `_defer_devices`, those where a QuestCache
+    asks for the deferred stop check (transformers' check needs device events, which CPU lacks); both `("cuda",)`.
     """
 
     budget: int = 2048
@@ -59,12 +65,17 @@ class QuestConfig:
     cuda_graph: bool | str = "auto"
     compile_decode: bool = True
     defer_stop_check: bool = True
+    compile_backend: str = "inductor"
+    _compile_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
+    _defer_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
 
     def __post_init__(self):
         for name in ("budget", "page_size", "dense_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"QuestConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+                default = {"budget": 2048, "page_size": 16, "dense_layers": 2}[name]
+                raise TypeError(f"QuestConfig.{name} must be an int, got {type(value).__name__} {value!r}; leave it "
+                                f"out for the default {default}")
         ps = self.page_size
         if ps < 4 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
             raise ValueError(
@@ -80,16 +91,30 @@ class QuestConfig:
             )
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
-        from .selectors import policy_names  # registered selectors (quest_hf.selectors.register_selector)
+        from .selectors import policy_names, selector_for  # registered (quest_hf.selectors.register_selector)
 
         for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", policy_names())):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        token_budget = self.policy == "oracle" or getattr(selector_for(self.policy), "token_budget", False)
+        if self.budget % ps and not token_budget:  # the oracle (or a selector saying so) counts tokens, not pages
+            low, high = self.budget // ps * ps, -(-self.budget // ps) * ps
+            raise ValueError(
+                f"budget={self.budget} is not a multiple of page_size={ps}: policy {self.policy!r} chooses whole "
+                f"pages and would read {self.budget // ps} pages ({low} tokens) a head; use budget={low} or "
+                f"budget={high}"
+            )
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
         for name in ("compile_decode", "defer_stop_check"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise TypeError(f"compile_backend must name a torch.compile backend, got {self.compile_backend!r}")
+        for name in ("_compile_devices", "_defer_devices"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(d, str) for d in value):
+                raise TypeError(f"{name} must be a tuple of device types such as ('cuda',), got {value!r}")
         from .selectors import captured_policies
 
         if self.cuda_graph is True and self.policy not in captured_policies():

@@ -208,6 +208,11 @@ def describe(model) -> list[LayerAttention]:
             for _, layer_type, _, mixer, (kind, window) in _layers(model) if _is_attention(layer_type, mixer)]
 
 
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The attention module of each softmax-attention layer of the text decoder, in `describe` order."""
+    return [mixer for _, layer_type, _, mixer, _ in _layers(model) if _is_attention(layer_type, mixer)]
+
+
 def _ranges(idx: list[int]) -> str:
     parts, start = [], None
     for k, i in enumerate(idx):

@@ -4,148 +4,134 @@ A captured Quest decode step of a 7B model spends ~1.5 ms of its ~8 ms in HF's u
 (RMSNorm alone is six kernels); HF's own static-cache path hides that by compiling the whole forward.
 Here only what never touches the cache is compiled — every `*RMSNorm` and `*MLP` module of the decoder,
 and the modeling file's `apply_rotary_pos_emb` (the attention modules call it by its module-global name,
-so it is replaced in that module while a model is patched with this option, and put back after) — and
-only for one-token CUDA inputs, so prefill, CPU runs and the attention stay eager, and the compiled
-kernels are captured into the decode graph like any other. One compiled function per module class serves
-every layer (modules are graph inputs, not constants).
+so it is replaced in that module while a model patched with this option exists, and put back after the last
+one is unpatched) — and only for one-token inputs on `QuestConfig._compile_devices` (CUDA), so prefill, CPU runs
+and the attention stay eager, and the compiled kernels are captured into the decode graph like any other. One
+compiled function per module class and backend serves every layer (modules are graph inputs, not constants).
+
+Every replacement goes through the patch's record (quest_hf/binding.py); what compiled, with which backend, and
+what failed belong to one patched model (`model._quest_state.compiled`, a `DecodeCompile`).
 """
 from __future__ import annotations
 
-import sys
+import contextvars
+import importlib
+from dataclasses import dataclass, field
 
 import torch
 from transformers.utils import logging
 
+from .binding import Bindings, Method, shared_kind
+
 logger = logging.get_logger("quest_hf")
 
 SUFFIXES = ("RMSNorm", "MLP")
-DEVICE_TYPES = ("cuda",)  # tests add "cpu" with BACKEND = "eager"
-BACKEND = "inductor"
-_compiled: dict = {}
+_compiled: dict = {}  # (function, backend) -> its torch.compile'd version, shared by every model
 
 
-def _compiled_forward(cls):
-    fn = _compiled.get((cls, BACKEND))
-    if fn is None:
-        fn = _compiled[(cls, BACKEND)] = torch.compile(cls.forward, backend=BACKEND, dynamic=False)
-    return fn
+@dataclass
+class DecodeCompile:
+    """What `compile_decode` set up on one patched model: its settings, what it wrapped, what failed."""
+
+    backend: str  # the torch.compile backend (QuestConfig.compile_backend)
+    device_types: tuple[str, ...]  # inputs on these device types compile (QuestConfig._compile_devices)
+    bindings: Bindings  # the replacements, undone by `bindings.restore()`
+    modules: list = field(default_factory=list)  # the norms/MLPs given a decode-only compiled forward
+    rotary: str | None = None  # the modeling module whose apply_rotary_pos_emb routes through torch.compile
+    rotary_calls: int = 0  # compiled rotary calls in this model's forwards
+    failed: dict = field(default_factory=dict)  # what could not be compiled -> the error (it then runs eagerly)
 
 
-FAILED: dict = {}  # what could not be compiled -> the error; it then runs eagerly (logged once)
+# The compile settings of the patched forward in flight (None: none, or one without compile_decode): the shared
+# `apply_rotary_pos_emb` replacement serves every model of its modeling file and compiles only inside such a forward.
+_current: contextvars.ContextVar[DecodeCompile | None] = contextvars.ContextVar("quest_hf_compile", default=None)
 
 
-def _run_compiled(key, get_fn, eager, *args, **kwargs):
-    """The compiled function's output, or (when compiling fails, logged) the eager one's."""
-    if key not in FAILED:
+def enter_forward(compiled: DecodeCompile | None) -> contextvars.Token:
+    return _current.set(compiled)
+
+
+def exit_forward(token: contextvars.Token) -> None:
+    _current.reset(token)
+
+
+def _is_decode(x, device_types) -> bool:
+    # Not under tensor parallel: its sharded linears run collectives that the eager path already handles.
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return x.device.type in device_types and not torch.is_grad_enabled() and not distributed
+
+
+def _run_compiled(compiled: DecodeCompile, key: str, fn, eager, *args, **kwargs):
+    """`fn` compiled with the model's backend, or (when compiling fails, logged once per model) `eager`."""
+    if key not in compiled.failed:
         try:
-            return get_fn()(*args, **kwargs), True
+            fast = _compiled.get((fn, compiled.backend))
+            if fast is None:
+                fast = _compiled[(fn, compiled.backend)] = torch.compile(fn, backend=compiled.backend, dynamic=False)
+            return fast(*args, **kwargs), True
         except Exception as e:  # noqa: BLE001 - any compile error: fall back, loudly
-            FAILED[key] = f"{type(e).__name__}: {e}"
-            logger.warning(f"quest-hf: torch.compile of {key} failed, it runs eagerly: {FAILED[key][:500]}")
+            compiled.failed[key] = f"{type(e).__name__}: {e}"
+            logger.warning(f"quest-hf: torch.compile of {key} failed, it runs eagerly: {compiled.failed[key][:500]}")
     return eager(*args, **kwargs), False
 
 
-def _decode_forward(module, eager):
-    cls = type(module)
-
-    def forward(x, *args, **kwargs):
-        if x.dim() >= 3 and x.shape[1] == 1 and _is_decode(x):
-            out, ok = _run_compiled(cls.__name__, lambda: _compiled_forward(cls),
-                                    lambda *a, **k: eager(*a[1:], **k), module, x, *args, **kwargs)
-            module._quest_compiled_calls += ok
-            return out
-        return eager(x, *args, **kwargs)
-
-    return forward
+def _decode_forward(method: Method, x, *args, **kwargs):
+    """A norm's/MLP's forward (bound by `compile_decode_modules`): compiled for one-token decode inputs."""
+    module, compiled, eager = method.__self__, method.data, method.original
+    if x.dim() >= 3 and x.shape[1] == 1 and _is_decode(x, compiled.device_types):
+        cls = type(module)
+        out, ok = _run_compiled(compiled, cls.__name__, cls.forward, lambda _, *a, **k: eager(*a, **k),
+                                module, x, *args, **kwargs)
+        module._quest_compiled_calls += ok
+        return out
+    return eager(x, *args, **kwargs)
 
 
-_rotary_users: dict = {}  # modeling module -> [original function, number of patched models using it]
-# The replaced `apply_rotary_pos_emb` serves every model of its modeling file; it compiles only inside the
-# forward of a model patched with compile_decode (the decoder's pre/post hooks push/pop this stack).
-_forwards: list = []
-
-
-def enter_forward(compile_decode: bool) -> None:
-    _forwards.append(compile_decode)
-
-
-def exit_forward() -> None:
-    if _forwards:
-        _forwards.pop()
-
-
-def _is_decode(x) -> bool:
-    # Not under tensor parallel: its sharded linears run collectives that the eager path already handles.
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return x.device.type in DEVICE_TYPES and not torch.is_grad_enabled() and not distributed
-
-
-def _patch_rotary(model) -> object | None:
-    """Route the modeling module's `apply_rotary_pos_emb` through torch.compile for one-token steps."""
-    attn = next((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")), None)
-    module = sys.modules.get(type(attn).__module__) if attn is not None else None
-    if module is None or not callable(getattr(module, "apply_rotary_pos_emb", None)):
-        return None
-    if module in _rotary_users:
-        _rotary_users[module][1] += 1
-        return module
+@shared_kind("rotary")
+def _route_rotary(bindings: Bindings, module_name: str) -> None:
+    """Route the modeling module's `apply_rotary_pos_emb` through torch.compile for one-token steps of a forward
+    of a model patched with compile_decode (process-wide: installed by the first such model, removed by the last)."""
+    module = importlib.import_module(module_name)
     original = module.apply_rotary_pos_emb
-    compiled = {}
+    key = f"{module_name}.apply_rotary_pos_emb"
 
     def apply_rotary_pos_emb(q, k, *args, **kwargs):
-        if _forwards and _forwards[-1] and q.dim() == 4 and q.shape[-2] == 1 and _is_decode(q):  # [B, H, 1, D]
-            def get():
-                if BACKEND not in compiled:
-                    compiled[BACKEND] = torch.compile(original, backend=BACKEND, dynamic=False)
-                return compiled[BACKEND]
-
-            out, ok = _run_compiled(f"{module.__name__}.apply_rotary_pos_emb", get, original, q, k, *args, **kwargs)
-            apply_rotary_pos_emb.compiled_calls += ok
+        compiled = _current.get()
+        if compiled is not None and q.dim() == 4 and q.shape[-2] == 1 and _is_decode(q, compiled.device_types):
+            out, ok = _run_compiled(compiled, key, original, original, q, k, *args, **kwargs)  # q: [B, H, 1, D]
+            compiled.rotary_calls += ok
             return out
         return original(q, k, *args, **kwargs)
 
-    apply_rotary_pos_emb.compiled_calls = 0
     apply_rotary_pos_emb.quest_original = original
-    module.apply_rotary_pos_emb = apply_rotary_pos_emb
-    _rotary_users[module] = [original, 1]
-    return module
+    bindings.set(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
 
 
-def _unpatch_rotary(module) -> None:
-    entry = _rotary_users.get(module)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] == 0:
-        module.apply_rotary_pos_emb = entry[0]
-        del _rotary_users[module]
+def _modeling_module(model) -> str | None:
+    attn = next((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")), None)
+    name = type(attn).__module__ if attn is not None else None
+    module = importlib.import_module(name) if name else None
+    return name if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)) else None
 
 
-def compile_decode_modules(model) -> list:
-    """Give every norm/MLP module of `model` a decode-only compiled `forward`; returns the modules wrapped.
+def _wrapped(module) -> bool:
+    forward = vars(module).get("forward")
+    return isinstance(forward, Method) and forward.__func__ is _decode_forward
 
-    The previous instance `forward` (if any) is kept on the module and put back by `restore`."""
-    wrapped = []
+
+def compile_decode_modules(model, bindings: Bindings, backend: str = "inductor",
+                           device_types: tuple[str, ...] = ("cuda",)) -> DecodeCompile:
+    """Give every norm/MLP module of `model` a decode-only compiled `forward`, and hold the rotary routing of its
+    modeling file, recording each replacement in `bindings`; `bindings.restore()` undoes them."""
+    compiled = DecodeCompile(backend, tuple(device_types), bindings)
     for m in model.modules():
-        if type(m).__name__.endswith(SUFFIXES) and not hasattr(m, "_quest_eager_forward"):
-            m._quest_eager_forward = m.__dict__.get("forward")
-            m._quest_compiled_calls = 0
-            m.forward = _decode_forward(m, m.forward)
-            wrapped.append(m)
-    rotary = _patch_rotary(model)
-    logger.info(f"quest-hf: decode-only torch.compile on {len(wrapped)} norm/MLP modules"
-                + (f" and {rotary.__name__}.apply_rotary_pos_emb" if rotary else ""))
-    return wrapped + ([rotary] if rotary else [])
-
-
-def restore(wrapped) -> None:
-    """Undo `compile_decode_modules` (its returned list)."""
-    for m in wrapped:
-        if not isinstance(m, torch.nn.Module):
-            _unpatch_rotary(m)
-            continue
-        previous = m.__dict__.pop("_quest_eager_forward", None)
-        m.__dict__.pop("forward", None)
-        m.__dict__.pop("_quest_compiled_calls", None)
-        if previous is not None:
-            m.forward = previous
+        if type(m).__name__.endswith(SUFFIXES) and not _wrapped(m):
+            bindings.set(m, "_quest_compiled_calls", 0)
+            bindings.method(m, "forward", _decode_forward, data=compiled)
+            compiled.modules.append(m)
+    compiled.rotary = _modeling_module(model)
+    if compiled.rotary:
+        bindings.shared("rotary", compiled.rotary)
+    logger.info(f"quest-hf: decode-only torch.compile ({backend}) on {len(compiled.modules)} norm/MLP modules"
+                + (f" and {compiled.rotary}.apply_rotary_pos_emb" if compiled.rotary else ""))
+    return compiled

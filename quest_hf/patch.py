@@ -3,7 +3,12 @@
 Through HF's own extension points: the "quest" attention and mask functions are registered with
 `AttentionInterface` / `AttentionMaskInterface`; a forward pre-hook on the decoder hands each forward's
 `QuestCache` and padding mask to the attention function; `generate` is wrapped only to create a
-`QuestCache` when the caller passes none.
+`QuestCache` when the caller passes none, `forward` to replay captured decode steps.
+
+Every replacement is recorded once in the model's `Bindings` (quest_hf/binding.py) and undone in reverse by
+`unpatch_model`; the process-wide ones (the registrations, transformers' `DeferredStopCheck.is_supported`) are
+installed by the first patched model and removed when the last is unpatched. A deepcopy or pickle of a patched
+model is a patched model of its own.
 """
 from __future__ import annotations
 
@@ -17,10 +22,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
 from .attention import NAME, quest_attention_forward
+from .binding import Bindings, Method, shared_kind
 from .cache import QuestCache
 from .config import QuestConfig
-from .fuse import compile_decode_modules, enter_forward, exit_forward, restore
+from .fuse import DecodeCompile, compile_decode_modules, enter_forward, exit_forward
 from .graph import DecodeGraph
+from .ops import triton_unavailable_reason
 from .selectors import selector_for
 
 logger = logging.get_logger("quest_hf")
@@ -34,47 +41,46 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3": "Qwen3 (q/k norms before the cache)",
 }
 
-AttentionInterface.register(NAME, quest_attention_forward)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # without it padded batches get no mask at all
-
-
-# Devices where a QuestCache asks for the deferred stop check (transformers' check needs device events: CPU has none).
-DEFER_DEVICES = ("cuda",)
-
-
-def _allow_deferred_stop_on_cuda() -> bool:
-    """Let transformers' `DeferredStopCheck` run on CUDA for a QuestCache whose config asks for it.
-
-    transformers (5.17 to 5.24 at least) defers generate()'s stop check by one step only on "mps"; elsewhere
-    the host waits for the GPU after every token. Every other cache gets transformers' own answer.
-    Returns False where this transformers has no such check (generate() then checks after every token).
-    """
+def _deferred_stop_check():
     from transformers.generation import utils as generation_utils
 
     cls = getattr(generation_utils, "DeferredStopCheck", None)
-    original = getattr(cls, "is_supported", None)
-    if original is None:
-        return False
-    if getattr(original, "_quest_hf", False):
-        return True
+    return cls if callable(getattr(cls, "is_supported", None)) else None
 
+
+# False where this transformers has no DeferredStopCheck (generate() then checks after every token).
+DEFERRED_STOP_AVAILABLE = _deferred_stop_check() is not None
+
+
+def _defer_on_cuda(original):
+    """transformers' `DeferredStopCheck.is_supported`, which also says yes on CUDA to a QuestCache whose config
+    asks for it (`QuestConfig.defer_stop_check`, on the device types `QuestConfig._defer_devices`).
+
+    transformers (5.17 to 5.24 at least) defers generate()'s stop check by one step only on "mps"; elsewhere
+    the host waits for the GPU after every token. Every other cache gets transformers' own answer.
+    """
     @functools.wraps(original)
     def is_supported(device, cache, cache_is_returned, *args, **kwargs):
         supported = original(device, cache, cache_is_returned, *args, **kwargs)
         if isinstance(cache, QuestCache):
+            cfg = cache.quest_config
             is_assistant = kwargs.get("is_assistant", args[0] if args else False)
-            if (not supported and cache.quest_config.defer_stop_check and device.type in DEFER_DEVICES
-                    and not is_assistant):
+            if not supported and cfg.defer_stop_check and device.type in cfg._defer_devices and not is_assistant:
                 supported = cache.is_croppable or not cache_is_returned  # transformers' own condition
             cache.stop_check = "deferred" if supported else "per-token"
         return supported
 
-    is_supported._quest_hf = True
-    cls.is_supported = staticmethod(is_supported)
-    return True
+    return is_supported
 
 
-DEFERRED_STOP_AVAILABLE = _allow_deferred_stop_on_cuda()
+@shared_kind("patch")
+def _install_process_wide(bindings: Bindings, arg=None) -> None:
+    """What every patched model needs of the process: held by the first patch, undone after the last unpatch."""
+    bindings.item(AttentionInterface._global_mapping, NAME, quest_attention_forward)
+    bindings.item(AttentionMaskInterface._global_mapping, NAME, sdpa_mask)  # without it padded batches get no mask
+    cls = _deferred_stop_check()
+    if cls is not None:
+        bindings.set(cls, "is_supported", staticmethod(_defer_on_cuda(cls.is_supported)))
 
 
 @dataclass
@@ -83,21 +89,24 @@ class _PatchState:
     num_layers: int
     original_attn: str
     cache_arg: str  # the decoder's name for the cache argument: "cache" (>= 5.24) or "past_key_values"
-    handles: list = field(default_factory=list)
     attention_modules: list = field(default_factory=list)
+    bindings: Bindings = field(default_factory=Bindings)  # everything the patch replaced, undone by unpatch_model
+    compile_bindings: Bindings | None = None  # the part of `bindings` that compile_decode replaced
+    compiled: DecodeCompile | None = None  # compile_decode's settings, modules and failures (quest_hf/fuse.py)
+    # Of the call in flight, never copied with the model (deepcopy, pickle):
     cache: QuestCache | None = None  # the cache of the forward in flight
-    shadowed: dict = field(default_factory=dict)  # instance attributes we replaced (accelerate sets `forward`)
-    compiled_modules: list = field(default_factory=list)  # norms/MLPs given a decode-only compiled forward
+    tokens: list = field(default_factory=list)  # fuse.enter_forward's, one per decoder forward in flight
     kept: QuestCache | None = None  # the last captured-decode cache, for the next generate() of the same shapes
     graph: DecodeGraph = field(default_factory=DecodeGraph)  # the captured decode step (quest_hf/graph.py)
 
 
-def _set_instance_attr(model, state: _PatchState, name: str, value):
-    state.shadowed[name] = model.__dict__.get(name, _MISSING)
-    setattr(model, name, value)
+    def __getstate__(self):
+        return dict(vars(self), cache=None, tokens=[], kept=None, graph=DecodeGraph())
 
-
-_MISSING = object()
+    @property
+    def compiled_modules(self) -> list:
+        """The norms/MLPs given a decode-only compiled forward (empty without compile_decode)."""
+        return self.compiled.modules if self.compiled is not None else []
 
 
 def cache_arg_name(model) -> str:
@@ -111,7 +120,8 @@ def _attention_modules(model):
 
 def _before_forward(decoder, args, kwargs):
     state: _PatchState = decoder._quest_state
-    enter_forward(state.config.compile_decode)  # first: _after_forward (always called) pops it
+    state.tokens.append(enter_forward(state.compiled))  # first: _after_forward (always called) pops it
+    _cache_kwarg(state, kwargs)
     bound = inspect.signature(decoder.forward).bind_partial(*args, **kwargs).arguments
     cache = bound.get("cache", bound.get("past_key_values"))
     if cache is None:
@@ -137,8 +147,10 @@ def _before_forward(decoder, args, kwargs):
 
 
 def _after_forward(decoder, args, kwargs, output):
-    decoder._quest_state.cache = None  # drop the reference: the cache lives as long as its user keeps it
-    exit_forward()
+    state = decoder._quest_state
+    state.cache = None  # drop the reference: the cache lives as long as its user keeps it
+    if state.tokens:
+        exit_forward(state.tokens.pop())
 
 
 def _generate_length(model, args, kwargs) -> int | None:
@@ -209,72 +221,126 @@ def _reusable(cache: QuestCache | None, model, config: QuestConfig, length: int 
             and layer.dtype == param.dtype and layer.device == param.device)
 
 
-def _wrap_generate(model, state: _PatchState):
-    original = model.generate
+def _cache_kwarg(state: _PatchState, kwargs: dict) -> None:
+    """Forward a cache under the name this transformers expects (in place): `cache=` from 5.24 on, where
+    `past_key_values=` is deprecated; on older versions `cache=` would land in `**kwargs` and be ignored (the model
+    would decode with no cache at all), so it is refused."""
+    other = "past_key_values" if state.cache_arg == "cache" else "cache"
+    if other not in kwargs:
+        return
+    if kwargs[other] is None:
+        kwargs.pop(other)
+    elif state.cache_arg == "cache":
+        if kwargs.get("cache") is not None:
+            raise TypeError("got both cache= and past_key_values=; pass the cache once, as cache=")
+        kwargs["cache"] = kwargs.pop(other)
+    else:
+        import transformers
 
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        # Every call takes the kept cache: one that does not reuse it drops it before allocating its own (two
-        # caches of a long prompt may not fit), and one that fails leaves nothing half-used behind.
-        kept, state.kept = state.kept, None
-        gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None or use_cache is False:
-            del kept
-            return original(*args, **kwargs)
-        config = state.config
-        length = _generate_length(model, args, kwargs)
-        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-        beams = (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1)
-        batch = ids.shape[0] * beams if ids is not None else None
-        if _reusable(kept, model, config, length, batch):
-            cache = kept
-            cache.reset()  # the captured graph replays from the first decode step: no eager step, no capture
-            cache.stop_check = None
-            cache.reused = True
-        else:
-            del kept
-            cache = QuestCache(config, state.num_layers, length)
-        kwargs[state.cache_arg] = cache
-        out = original(*args, **kwargs)
-        returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
-        if not returned and cache.decode_path == "captured":  # a cache handed to the caller is theirs
-            state.kept = cache
-        return out
-
-    _set_instance_attr(model, state, "generate", generate)
+        raise TypeError(f"transformers {transformers.__version__} names the cache argument past_key_values=; it "
+                        "would ignore cache= and decode without it: pass past_key_values=cache (cache= is the name "
+                        "from transformers 5.24 on)")
 
 
-def _wrap_forward(model, state: _PatchState):
-    """Serve one-token steps over a QuestCache from the captured graph (quest_hf/graph.py); all else as usual."""
-    original = model.forward
-    # What the captured forward takes: the step's tensors (copied into the graph's inputs each replay) and
-    # constants (part of the graph's key); any other argument runs that step eagerly, and decode_path says why.
-    tensors = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "cache_position"}
-    constants = {"use_cache", "return_dict", "logits_to_keep"}
+def _refuse_attention_weights(model, kwargs: dict, gen_cfg=None) -> None:
+    asked = kwargs.get("output_attentions")
+    if asked is None:
+        asked = getattr(gen_cfg if gen_cfg is not None else model.config, "output_attentions", False)
+    if asked:
+        raise ValueError("output_attentions=True: a model patched with quest-hf computes no attention weights (prefill "
+                         "runs SDPA, decode attends over the chosen pages only); to inspect the chosen pages use "
+                         "QuestCache.selection_hooks, or unpatch_model(model) for a dense run that returns weights")
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if (isinstance(cache, QuestCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1
-                and cache.get_seq_length() > 0 and kwargs.get("inputs_embeds") is None):
-            path = _decode_path(model, state, cache)
-            extra = sorted(set(kwargs) - tensors - constants) + (["positional arguments"] if args[1:] else [])
-            if path == "captured" and not extra:
-                fixed = {k: kwargs[k] for k in constants if k in kwargs and k not in ("use_cache", "return_dict")}
-                return state.graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
-                                        kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
-            if path == "captured":
-                cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
-                logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
-                                    f"{', '.join(extra)}")
+
+# generate(cache_implementation=...) values that a QuestCache stands for: it is allocated once at a fixed capacity
+# and its decode steps are captured, which is what "static" asks of HF's StaticCache.
+_STANDS_FOR = ("static", "dynamic")
+
+
+def _drop_cache_implementation(model, kwargs: dict) -> None:
+    """generate() is about to pass its QuestCache: transformers refuses a cache_implementation beside a cache."""
+    given = kwargs.get("generation_config")
+    asked = kwargs.get("cache_implementation", getattr(given, "cache_implementation", None))
+    if asked is not None and asked not in _STANDS_FOR:
+        raise ValueError(f"cache_implementation={asked!r} asks transformers for its own cache, but a model patched "
+                         "with quest-hf decodes from a QuestCache: leave cache_implementation out (or 'static': the "
+                         "QuestCache is already allocated once and captured), or unpatch_model(model) first")
+    if asked is not None:
+        logger.info_once(f"quest-hf: cache_implementation={asked!r} runs as the QuestCache (fixed capacity, captured)")
+    if asked is not None or getattr(model.generation_config, "cache_implementation", None) is not None:
+        kwargs["cache_implementation"] = None  # the model's own default (e.g. "hybrid") too: the QuestCache serves
+
+
+def _generate(method: Method, *args, **kwargs):
+    """`model.generate` of a patched model: builds (or reuses) the QuestCache when the caller passes none."""
+    model, original = method.__self__, method.original
+    state: _PatchState = model._quest_state
+    # Every call takes the kept cache: one that does not reuse it drops it before allocating its own (two
+    # caches of a long prompt may not fit), and one that fails leaves nothing half-used behind.
+    kept, state.kept = state.kept, None
+    _cache_kwarg(state, kwargs)
+    gen_cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    _refuse_attention_weights(model, kwargs, gen_cfg)
+    use_cache = kwargs.get("use_cache", getattr(gen_cfg, "use_cache", True))
+    if kwargs.get(state.cache_arg) is not None or use_cache is False:
+        del kept
         return original(*args, **kwargs)
+    _drop_cache_implementation(model, kwargs)
+    config = state.config
+    length = _generate_length(model, args, kwargs)
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    beams = (kwargs.get("num_beams") or getattr(gen_cfg, "num_beams", None) or 1)
+    batch = ids.shape[0] * beams if ids is not None else None
+    if _reusable(kept, model, config, length, batch):
+        cache = kept
+        cache.reset()  # the captured graph replays from the first decode step: no eager step, no capture
+        cache.stop_check = None
+        cache.reused = True
+    else:
+        del kept
+        cache = QuestCache(config, state.num_layers, length)
+    kwargs[state.cache_arg] = cache
+    out = original(*args, **kwargs)
+    returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
+    if not returned and cache.decode_path == "captured":  # a cache handed to the caller is theirs
+        state.kept = cache
+    return out
 
-    _set_instance_attr(model, state, "forward", forward)
+
+# What the captured forward takes: the step's tensors (copied into the graph's inputs each replay) and constants
+# (part of the graph's key); any other argument runs that step eagerly, and decode_path says why.
+_STEP_TENSORS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "cache_position"}
+_STEP_CONSTANTS = {"use_cache", "return_dict", "logits_to_keep"}
 
 
-def patch_model(model, budget: int | None = None, page_size: int | None = None, *,
+def _forward(method: Method, *args, **kwargs):
+    """`model.forward` of a patched model: one-token steps over a QuestCache replay the captured graph
+    (quest_hf/graph.py); all else runs as usual."""
+    model, original = method.__self__, method.original
+    state: _PatchState = model._quest_state
+    _cache_kwarg(state, kwargs)
+    _refuse_attention_weights(model, kwargs)
+    cache = kwargs.get(state.cache_arg)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if (isinstance(cache, QuestCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1
+            and cache.get_seq_length() > 0 and kwargs.get("inputs_embeds") is None):
+        path = _decode_path(model, state, cache)
+        extra = sorted(set(kwargs) - _STEP_TENSORS - _STEP_CONSTANTS) + (["positional arguments"] if args[1:] else [])
+        if path == "captured" and not extra:
+            fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
+            return state.graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
+                                    kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+        if path == "captured":
+            cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
+            logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
+                                f"{', '.join(extra)}")
+    return original(*args, **kwargs)
+
+
+_UNSET = object()  # a setting left out (None is passed on to QuestConfig, which refuses it)
+
+
+def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
                 config: QuestConfig | None = None, **options):
     """Make `model` decode with Quest sparse attention, in place; returns `model`.
 
@@ -283,7 +349,7 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     new settings). Supported `config.model_type`: llama, mistral, qwen2, qwen3. Dense attention (prefill,
     dense layers) runs HF's SDPA.
     """
-    given = {k: v for k, v in dict(budget=budget, page_size=page_size, **options).items() if v is not None}
+    given = {k: v for k, v in dict(budget=budget, page_size=page_size, **options).items() if v is not _UNSET}
     if config is not None and given:
         raise TypeError(f"pass either config= or keyword settings, not both (got config and {sorted(given)})")
     config = config if config is not None else QuestConfig(**given)
@@ -294,7 +360,8 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
         raise ValueError(f"quest-hf does not support model_type {model_type!r}; supported: {supported}")
 
-    state = getattr(model, "_quest_state", None)
+    _check_settings(model, config)
+    state = vars(model).get("_quest_state")
     if state is not None:
         state.config = config
         state.kept = None
@@ -315,17 +382,23 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     if len(state.attention_modules) != state.num_layers:
         raise ValueError(f"found {len(state.attention_modules)} attention modules for "
                          f"{state.num_layers} layers; this model layout is not supported")
-    model.set_attn_implementation(NAME)
-    for m in state.attention_modules:
-        m._quest_state = state
-    decoder._quest_state = state
-    state.handles.append(decoder.register_forward_pre_hook(_before_forward, with_kwargs=True))
-    state.handles.append(decoder.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
-    model._quest_state = state
-    if hasattr(model, "generate"):
-        _wrap_generate(model, state)
-    _wrap_forward(model, state)
-    _set_compiled(model, state)
+    record = state.bindings
+    try:
+        record.shared("patch")  # the registrations, DeferredStopCheck: the last unpatch removes them
+        model.set_attn_implementation(NAME)
+        record.call(model.set_attn_implementation, state.original_attn)
+        for m in [*state.attention_modules, decoder, model]:
+            record.set(m, "_quest_state", state)
+        record.hook(decoder.register_forward_pre_hook(_before_forward, with_kwargs=True))
+        record.hook(decoder.register_forward_hook(_after_forward, with_kwargs=True, always_call=True))
+        if hasattr(model, "generate"):
+            record.method(model, "generate", _generate)
+        record.method(model, "forward", _forward)
+        state.compile_bindings = record.child()
+        _set_compiled(model, state)
+    except BaseException:
+        record.restore()
+        raise
     logger.info(f"quest-hf: patched {model_type} ({state.num_layers} layers) with {config}")
     if config.defer_stop_check and not DEFERRED_STOP_AVAILABLE:
         logger.warning("quest-hf: this transformers has no DeferredStopCheck; generate() waits for the GPU after "
@@ -333,34 +406,42 @@ def patch_model(model, budget: int | None = None, page_size: int | None = None, 
     return model
 
 
+def _check_settings(model, config: QuestConfig) -> None:
+    """What QuestConfig cannot check alone: the settings against this model (raises, or warns once)."""
+    if config.backend == "triton":
+        devices = sorted({p.device for p in model.parameters()}, key=str)
+        reasons = {d.type: triton_unavailable_reason(d) for d in devices}
+        reason = next((r for r in reasons.values() if r), None)
+        if reason:
+            raise ValueError(f"backend='triton' cannot run on this model: {reason}. Use backend='auto' (Triton on "
+                             "CUDA, PyTorch elsewhere) or backend='torch'.")
+    layers = model.config.get_text_config().num_hidden_layers
+    if config.dense_layers >= layers:
+        logger.warning(f"quest-hf: dense_layers={config.dense_layers} covers all {layers} layers of this model: every "
+                       f"layer decodes dense and Quest selects nothing; use dense_layers < {layers} for sparse layers")
+
+
 def _set_compiled(model, state: _PatchState) -> None:
-    """Wrap or unwrap the decode-only compiled norms/MLPs to match `config.compile_decode`."""
-    if state.config.compile_decode and not state.compiled_modules:
-        state.compiled_modules = compile_decode_modules(model)
-    elif not state.config.compile_decode and state.compiled_modules:
-        restore(state.compiled_modules)
-        state.compiled_modules = []
+    """Wrap or unwrap the decode-only compiled norms/MLPs to match `config.compile_decode` and its backend."""
+    cfg, compiled = state.config, state.compiled
+    if compiled is not None and (not cfg.compile_decode or compiled.backend != cfg.compile_backend
+                                 or compiled.device_types != cfg._compile_devices):
+        state.compile_bindings.restore()
+        state.compiled = None
+    if cfg.compile_decode and state.compiled is None:
+        state.compiled = compile_decode_modules(model, state.compile_bindings, cfg.compile_backend,
+                                                cfg._compile_devices)
 
 
 def unpatch_model(model):
-    """Undo `patch_model`: original attention implementation, hooks removed, class `generate` back."""
-    state = model.__dict__.pop("_quest_state", None)
+    """Undo `patch_model`: every replacement it recorded, newest first (original attention implementation,
+    hooks removed, `generate`/`forward` and compiled modules back; the process-wide ones after the last model)."""
+    state = vars(model).get("_quest_state")
     if state is None:
         return model
     state.kept = None
     state.graph.release()
-    restore(state.compiled_modules)
-    for h in state.handles:
-        h.remove()
-    for m in state.attention_modules:
-        m.__dict__.pop("_quest_state", None)
-    model.base_model.__dict__.pop("_quest_state", None)
-    for name, previous in state.shadowed.items():
-        if previous is _MISSING:
-            model.__dict__.pop(name, None)
-        else:
-            setattr(model, name, previous)
-    model.set_attn_implementation(state.original_attn)
+    state.bindings.restore()
     return model
 
 
@@ -375,10 +456,13 @@ def release_cache(model):
 
 
 @contextlib.contextmanager
-def patched(model, budget: int | None = None, page_size: int | None = None, *,
+def patched(model, budget: int = _UNSET, page_size: int = _UNSET, *,
             config: QuestConfig | None = None, **options):
-    """`with patched(model, budget=1024): model.generate(...)` — unpatched on exit, also on error."""
-    was_patched = getattr(model, "_quest_state", None)
+    """`with patched(model, budget=1024): model.generate(...)` — unpatched on exit, also on error.
+
+    A model patched before the block gets its previous settings back (its kept cache, built under the inner
+    ones, is dropped); one that the block itself unpatched stays unpatched."""
+    was_patched = vars(model).get("_quest_state")
     previous = was_patched.config if was_patched else None
     patch_model(model, budget, page_size, config=config, **options)
     try:
@@ -386,8 +470,5 @@ def patched(model, budget: int | None = None, page_size: int | None = None, *,
     finally:
         if previous is None:
             unpatch_model(model)
-        else:
-            model._quest_state.config = previous
-            model._quest_state.kept = None  # built under the inner settings
-            model._quest_state.graph.release()
-            _set_compiled(model, model._quest_state)
+        elif vars(model).get("_quest_state") is not None:
+            patch_model(model, config=previous)

@@ -212,10 +212,10 @@ def main(argv=None):
                     if method in ("quest_graph_c", "quest_graph_c_sync"):  # proof that the compiled modules ran, and how often dynamo compiled
                         from torch._dynamo.utils import counters
                         row["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]
-                        wrapped = model._quest_state.compiled_modules
-                        row["compiled_calls"] = sum(getattr(m, "_quest_compiled_calls", 0) for m in wrapped)
-                        row["compiled_rotary_calls"] = sum(m.apply_rotary_pos_emb.compiled_calls for m in wrapped
-                                                           if not isinstance(m, torch.nn.Module))
+                        compiled = model._quest_state.compiled
+                        row["compiled_calls"] = sum(m._quest_compiled_calls for m in compiled.modules)
+                        row["compiled_rotary_calls"] = compiled.rotary_calls
+                        row["compile_failed"] = sorted(compiled.failed)
                     rows.append(row)
                     if method.startswith("quest"):
                         unpatch_model(model)

@@ -141,6 +141,10 @@ def table(rows, lengths, budgets) -> str:
                 acc = sum(r["correct"] for r in rs)
                 frac = sum(r["bytes_frac"] for r in rs) / len(rs)
                 cells.append(f"{acc}/{len(rs)} ({frac:.2f})")
+                if rs[0]["budget"] is None:  # dense has no budget: one figure, not one per column
+                    cells[-1] += ", any budget"
+                    cells += [""] * (len(budgets) - 1)
+                    break
             out.append(f"| {policy} | {backend} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -138,11 +138,13 @@ def _attention_implementation(model, name: str):
         model.set_attn_implementation(original)
 
 
-def masked_reference_logits(model, input_ids, attention_mask, keep) -> torch.Tensor:
+def masked_reference_logits(model, input_ids, attention_mask, keep, position_ids=None) -> torch.Tensor:
     """Logits `[B, V]` of the last position when, in layer i, its query may attend only keys with `keep[i]` True.
 
     `keep[i]`: bool `[B, H_kv, L]` (L = input length; None or a missing index: no restriction), on top of the
-    model's own causal / sliding / padding mask; the other positions attend as usual. Every layer runs its family's
+    model's own causal / sliding / padding mask; the other positions attend as usual. With `keep[i]` of
+    `[B, H_kv, R, L]` the last R positions are restricted row by row (R decode steps teacher-forced in one forward)
+    and the logits of those R positions are returned, `[B, R, V]`; every non-None entry must then have the same R. Every layer runs its family's
     own `eager_attention_forward` (so soft-caps, sinks and scaling are HF's), through a function registered with
     `AttentionInterface` for the duration of the call. The reference a sparse decode of the last token must match
     when it attends exactly the kept keys.
@@ -155,10 +157,11 @@ def masked_reference_logits(model, input_ids, attention_mask, keep) -> torch.Ten
         rows = keep.get(i) if isinstance(keep, dict) else (keep[i] if i < len(keep) else None)
         if rows is not None:
             B, Hq, q, L = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-            ok = rows.to(key.device).bool().repeat_interleave(Hq // rows.shape[1], dim=1)  # [B, Hq, L]
-            assert ok.shape == (B, Hq, L), (ok.shape, (B, Hq, L))
+            ok = rows.to(key.device).bool().repeat_interleave(Hq // rows.shape[1], dim=1)  # [B, Hq, (R,) L]
+            ok = ok[:, :, None] if ok.dim() == 3 else ok
+            assert ok.shape[:2] + ok.shape[3:] == (B, Hq, L), (ok.shape, (B, Hq, L))
             full = torch.ones(B, Hq, q, L, dtype=torch.bool, device=key.device)
-            full[:, :, -1] = ok
+            full[:, :, q - ok.shape[2]:] = ok
             base = mask[..., :L] if mask is not None else torch.zeros(B, 1, q, L, dtype=query.dtype)
             mask = base.masked_fill(~full, torch.finfo(query.dtype).min)
         return _family_eager(module)(module, query, key, value, mask, **kwargs)
@@ -166,5 +169,9 @@ def masked_reference_logits(model, input_ids, attention_mask, keep) -> torch.Ten
     AttentionInterface.register(REFERENCE_NAME, attention)
     AttentionMaskInterface.register(REFERENCE_NAME, eager_mask)
     with _attention_implementation(model, REFERENCE_NAME), torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    rows = {k.shape[2] for k in (keep.values() if isinstance(keep, dict) else keep) if k is not None and k.dim() == 4}
+    if rows:
+        assert len(rows) == 1, f"keep entries restrict different numbers of rows: {sorted(rows)}"
+        return out.logits[:, -rows.pop():].float()
     return out.logits[:, -1].float()

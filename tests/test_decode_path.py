@@ -156,61 +156,67 @@ def test_sliding_window_past_the_window(window, budget, single_thread):
         assert (real >= first_page).all()  # no page wholly before the window is read
 
 
+# The compile settings a CPU test varies: dynamo's "eager" backend on CPU inputs checks the plumbing.
+ON_CPU = dict(compile_backend="eager", _compile_devices=("cuda", "cpu"))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_compile_decode_wraps_norms_and_mlps_for_decode_only(family, monkeypatch):
+def test_compile_decode_wraps_norms_and_mlps_for_decode_only(family):
     # On CUDA the wrapped modules run inductor; here the same wrapping runs dynamo's "eager" backend on CPU,
     # which checks the plumbing: one-token steps go through torch.compile, prefill does not, outputs equal.
-    from quest_hf import fuse, unpatch_model
+    from quest_hf import unpatch_model
+    from quest_hf.binding import holders
 
-    monkeypatch.setattr(fuse, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(fuse, "BACKEND", "eager")
     model = tiny_model(family, heads=8, kv_heads=2)
     ids, mask = left_padded_batch(lengths=(60, 41))
     patch_model(model, budget=32, compile_decode=False)
     plain = _gen(model, ids, mask, n=6)
     modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    users = lambda: fuse._rotary_users.get(modeling, [None, 0])[1]  # noqa: E731 - other patched models may share it
+    users = lambda: holders("rotary", modeling.__name__)  # noqa: E731 - other patched models may share it
     before = users()
-    patch_model(model, budget=32)  # compile_decode=True is the default
+    original_rotary = modeling.apply_rotary_pos_emb if before == 0 else modeling.apply_rotary_pos_emb.quest_original
+    patch_model(model, budget=32, **ON_CPU)  # compile_decode=True is the default
     assert users() == before + 1
-    wrapped = [m for m in model._quest_state.compiled_modules if isinstance(m, torch.nn.Module)]
+    compiled = model._quest_state.compiled
+    assert compiled.backend == "eager" and compiled.rotary == modeling.__name__
+    wrapped = compiled.modules
     names = {type(m).__name__ for m in wrapped}
     layers = model.config.num_hidden_layers
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)  # + q/k norms
     assert len(wrapped) == norms + layers and any(n.endswith("MLP") for n in names)
-    original_rotary = modeling.apply_rotary_pos_emb.quest_original
-    calls = modeling.apply_rotary_pos_emb.compiled_calls
+    assert modeling.apply_rotary_pos_emb.quest_original is original_rotary
     fused = _gen(model, ids, mask, n=6)
-    assert modeling.apply_rotary_pos_emb.compiled_calls - calls == 5 * layers
+    assert compiled.rotary_calls == 5 * layers and not compiled.failed
     assert torch.equal(plain.sequences, fused.sequences)
     for a, b in zip(plain.scores, fused.scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     mlp = next(m for m in wrapped if type(m).__name__.endswith("MLP"))
     assert mlp._quest_compiled_calls == 5  # the 5 decode steps; the prefill ran eagerly
-    patch_model(model, budget=32, compile_decode=False)  # re-configuring unwraps
+    patch_model(model, budget=32, compile_decode=False, **ON_CPU)  # re-configuring unwraps
     assert "forward" not in mlp.__dict__ and not model._quest_state.compiled_modules
     assert users() == before and (before > 0 or modeling.apply_rotary_pos_emb is original_rotary)
-    patch_model(model, budget=32, compile_decode=True)
+    patch_model(model, budget=32, compile_decode=True)  # the default backend: CUDA inputs only, as shipped
+    assert model._quest_state.compiled.backend == "inductor" and users() == before + 1
+    _gen(model, ids, mask, n=2)
+    assert all(m._quest_compiled_calls == 0 for m in model._quest_state.compiled.modules)  # CPU: never compiled
     unpatch_model(model)
     assert all("forward" not in m.__dict__ for m in wrapped) and users() == before
     assert before > 0 or modeling.apply_rotary_pos_emb is original_rotary
 
 
-def test_compile_decode_failure_is_logged_and_runs_eagerly(monkeypatch, caplog):
-    from quest_hf import fuse, unpatch_model
+def test_compile_decode_failure_is_logged_and_runs_eagerly(caplog):
+    from quest_hf import unpatch_model
 
-    monkeypatch.setattr(fuse, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(fuse, "BACKEND", "no_such_backend")
-    monkeypatch.setattr(fuse, "FAILED", {})
     model = tiny_model("llama", heads=8, kv_heads=2)
     ids, mask = left_padded_batch(lengths=(40, 33))
     patch_model(model, budget=32, compile_decode=False)
     plain = _gen(model, ids, mask, n=4)
-    patch_model(model, budget=32)
+    patch_model(model, budget=32, compile_backend="no_such_backend", _compile_devices=("cuda", "cpu"))
     with caplog.at_level("WARNING"):
         broken = _gen(model, ids, mask, n=4)
     assert torch.equal(plain.sequences, broken.sequences)
-    assert {"LlamaRMSNorm", "LlamaMLP"} <= set(fuse.FAILED) and any(k.endswith("apply_rotary_pos_emb") for k in fuse.FAILED)
+    failed = model._quest_state.compiled.failed  # this model's: another model's compiles are not affected
+    assert {"LlamaRMSNorm", "LlamaMLP"} <= set(failed) and any(k.endswith("apply_rotary_pos_emb") for k in failed)
     assert "torch.compile of LlamaMLP failed" in caplog.text
     assert all(getattr(m, "_quest_compiled_calls", 0) == 0 for m in model._quest_state.compiled_modules)
     unpatch_model(model)

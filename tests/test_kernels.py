@@ -497,7 +497,7 @@ def test_softcap_sinks_reference_is_the_eager_formula():
     sinks = torch.linspace(-1.0, 3.0, Hq).to(DEV)
     scale, cap, window = 0.3, 4.0, 13
     ids = torch.arange(C // S, dtype=torch.int32, device=DEV).expand(B, Hkv, -1).contiguous()
-    for pos, win in ((None, 0), (torch.tensor(L), window)):
+    for pos, win in ((None, 0), (torch.tensor(L, device=DEV), window)):
         got = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, C if win else L, S, scale, pos=pos, window=win,
                                              softcap=cap, sinks=sinks)
         k = kc.repeat_interleave(Hq // Hkv, 1)[:, :, :L]

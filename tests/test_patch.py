@@ -170,13 +170,16 @@ def test_config_and_keywords_together_is_refused():
         patch_model(tiny_model("llama"), budget=64, config=QuestConfig())
 
 
-def test_triton_backend_on_cpu_says_what_to_do(monkeypatch):
+def test_triton_backend_on_cpu_is_refused_by_patch_model(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = tiny_model("llama")
-    patch_model(model, budget=64, backend="triton")
-    ids, mask = left_padded_batch()
-    with pytest.raises(RuntimeError, match="backend='triton' cannot run.*backend='auto'"):
-        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="backend='triton' cannot run on this model: .*backend='auto'"):
+        patch_model(model, budget=64, backend="triton")
+    assert "_quest_state" not in vars(model)
+    patch_model(model, budget=64)
+    with pytest.raises(ValueError, match="backend='triton' cannot run"):  # nor by a re-configure
+        patch_model(model, budget=64, backend="triton")
+    assert model._quest_state.config.backend == "auto"
 
 
 @pytest.mark.parametrize("cuda_graph", [False, "auto"], ids=["eager", "auto"])

@@ -14,6 +14,7 @@ CUDA = torch.device("cuda")  # a device object only: is_supported reads its type
 
 def test_deferral_is_asked_only_by_quest_caches_that_want_it():
     assert patch_mod.DEFERRED_STOP_AVAILABLE
+    patch_model(tiny_model("llama"))  # the first patched model installs the check (the last unpatch removes it)
     quest = QuestCache(QuestConfig(), num_layers=2)
     assert DeferredStopCheck.is_supported(CUDA, quest, cache_is_returned=True, is_assistant=False)
     assert quest.stop_check == "deferred"
@@ -62,7 +63,7 @@ def test_deferred_stop_gives_the_same_tokens_and_cache(cuda_graph, monkeypatch, 
     ref, ref_cache = run()
     assert ref_cache.stop_check == "per-token"  # CPU: transformers' per-token check
     assert ref.sequences.shape[1] == ids.shape[1] + stop + 1
-    monkeypatch.setattr(patch_mod, "DEFER_DEVICES", ("cuda", "cpu"))
+    patch_model(model, budget=32, cuda_graph=cuda_graph, _defer_devices=("cuda", "cpu"))
     monkeypatch.setattr(torch, "Event", _HostEvent)
     got, cache = run()
     assert cache.stop_check == "deferred"

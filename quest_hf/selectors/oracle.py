@@ -10,7 +10,7 @@ from .base import Selector
 
 
 class OracleSelector(Selector):
-    def attend(self, layer, q, scale, window, on_select):
+    def attend(self, layer, q, scale, window, on_select, softcap=0.0, sinks=None):
         budget = layer.config.budget
         B, Hq, D = q.shape
         H, C = layer.keys.shape[1], layer.keys.shape[2]
@@ -20,12 +20,17 @@ class OracleSelector(Selector):
         if window:
             ok = ok & (torch.arange(C, device=q.device) >= window_start_at(layer.pos, window))
         logits = torch.einsum("bhgd,bhnd->bhgn", q.float().reshape(B, H, G, D), keys) * scale
+        if softcap:  # monotonic: the same top tokens, another softmax over them
+            logits = softcap * torch.tanh(logits / softcap)
         logits = logits.masked_fill(~ok, float("-inf"))
         top = logits.topk(min(budget, C), dim=-1).indices
         chosen = torch.zeros(B, H, G, C, dtype=torch.bool, device=q.device).scatter_(-1, top, True)
         chosen = chosen.any(2, keepdim=True) & ok
-        w = torch.softmax(logits.masked_fill(~chosen, float("-inf")), dim=-1).nan_to_num(0.0)
-        return torch.einsum("bhgn,bhnd->bhgd", w, vals).reshape(B, Hq, D).to(q.dtype)
+        logits = logits.masked_fill(~chosen, float("-inf"))
+        out = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(logits, dim=-1).nan_to_num(0.0), vals)
+        if sinks is not None:  # the sink's share of the denominator, as sparse_decode_attention_ref
+            out = out * torch.sigmoid(torch.logsumexp(logits, -1) - sinks.float().reshape(H, G))[..., None]
+        return out.reshape(B, Hq, D).to(q.dtype)
 
     def bytes_per_step(self, seq_len, kv_heads, head_dim, elt, page_size, pages_read, budget, group):
         return seq_len * kv_heads * head_dim * elt + kv_heads * min(seq_len, group * budget) * head_dim * elt
