@@ -7,8 +7,9 @@
 from . import versions  # noqa: F401 - first: refuses an unsupported transformers before its classes are used
 from .cache import QuestCache, QuestLayer
 from .config import QuestConfig
-from .patch import SUPPORTED_MODEL_TYPES, patch_model, patched, release_cache, unpatch_model
+from .patch import patch_model, patched, release_cache, unpatch_model
+from .plan import LayerPlan, describe_patch, layer_plan
 
-__all__ = ["patch_model", "unpatch_model", "patched", "release_cache", "QuestConfig", "QuestCache", "QuestLayer",
-           "SUPPORTED_MODEL_TYPES"]
+__all__ = ["patch_model", "unpatch_model", "patched", "release_cache", "describe_patch", "layer_plan", "LayerPlan",
+           "QuestConfig", "QuestCache", "QuestLayer"]
 __version__ = "0.1.0"

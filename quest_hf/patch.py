@@ -21,7 +21,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from .attention import NAME, quest_attention_forward
+from . import families
+from .attention import NAME, family_eager, quest_attention_forward
 from .binding import Bindings, Method, shared_kind
 from .cache import QuestCache
 from .config import QuestConfig
@@ -31,15 +32,6 @@ from .ops import triton_unavailable_reason
 from .selectors import selector_for
 
 logger = logging.get_logger("quest_hf")
-
-# model_type -> why it is supported (all four call `ALL_ATTENTION_FUNCTIONS.get_interface(...)` with
-# RoPE already applied, and pass `sliding_window` where the model has one).
-SUPPORTED_MODEL_TYPES = {
-    "llama": "Llama 2/3, SmolLM2, TinyLlama, ...",
-    "mistral": "Mistral (sliding window optional)",
-    "qwen2": "Qwen2 / Qwen2.5 (per-layer sliding window optional)",
-    "qwen3": "Qwen3 (q/k norms before the cache)",
-}
 
 def _deferred_stop_check():
     from transformers.generation import utils as generation_utils
@@ -98,6 +90,7 @@ class _PatchState:
     tokens: list = field(default_factory=list)  # fuse.enter_forward's, one per decoder forward in flight
     kept: QuestCache | None = None  # the last captured-decode cache, for the next generate() of the same shapes
     graph: DecodeGraph = field(default_factory=DecodeGraph)  # the captured decode step (quest_hf/graph.py)
+    attention: dict = field(default_factory=dict)  # layer_idx -> families.LayerAttention (window, soft-cap, sinks)
 
 
     def __getstate__(self):
@@ -112,10 +105,6 @@ class _PatchState:
 def cache_arg_name(model) -> str:
     """The decoder's name for the cache argument: "cache" (transformers >= 5.24) or "past_key_values"."""
     return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-
-
-def _attention_modules(model):
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
 
 
 def _before_forward(decoder, args, kwargs):
@@ -346,8 +335,10 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
 
     `patch_model(model, budget=2048, page_size=16, dense_layers=2, gqa_mode="union", backend="auto")`, or
     `patch_model(model, config=QuestConfig(...))`. Calling it again re-configures (new caches use the
-    new settings). Supported `config.model_type`: llama, mistral, qwen2, qwen3. Dense attention (prefill,
-    dense layers) runs HF's SDPA.
+    new settings). Support is decided from what the model's attention does (`quest_hf.families.check_supported`:
+    every decoder whose attention goes through HF's attention interface and caches post-RoPE keys; a ValueError
+    names the reason otherwise); `describe_patch(model)` says which layers are sparse. Prefill runs HF's SDPA, or
+    the family's eager attention where a layer has a logit soft-cap or sinks.
     """
     given = {k: v for k, v in dict(budget=budget, page_size=page_size, **options).items() if v is not _UNSET}
     if config is not None and given:
@@ -356,9 +347,7 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
     if not isinstance(config, QuestConfig):
         raise TypeError(f"config must be a QuestConfig, got {type(config).__name__}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
-        raise ValueError(f"quest-hf does not support model_type {model_type!r}; supported: {supported}")
+    attention = _supported_layers(model)
 
     _check_settings(model, config)
     state = vars(model).get("_quest_state")
@@ -377,7 +366,8 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
         num_layers=text_cfg.num_hidden_layers,
         original_attn=model.config._attn_implementation,
         cache_arg=cache_arg_name(model),
-        attention_modules=_attention_modules(model),
+        attention_modules=families.attention_modules(model),
+        attention={a.layer_idx: a for a in attention},
     )
     if len(state.attention_modules) != state.num_layers:
         raise ValueError(f"found {len(state.attention_modules)} attention modules for "
@@ -404,6 +394,34 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
         logger.warning("quest-hf: this transformers has no DeferredStopCheck; generate() waits for the GPU after "
                        "every token (QuestConfig(defer_stop_check=False) silences this)")
     return model
+
+
+def _supported_layers(model) -> list:
+    """`families.check_supported(model)`, plus what this library's decode does not serve yet; raises ValueError."""
+    if getattr(model, "config", None) is None:
+        raise ValueError(f"quest-hf patches transformers models (with a .config), got {type(model).__name__}")
+    name = getattr(model.config, "model_type", type(model).__name__)
+    layers = families.check_supported(model, allow_hybrid=True)
+    n = model.config.get_text_config().num_hidden_layers
+    if len(layers) != n:
+        other = sorted(set(range(n)) - {a.layer_idx for a in layers})
+        raise ValueError(f"quest-hf: {name!r} is a hybrid: layers {families._ranges(other)} are linear-attention / "
+                         "recurrent. A QuestCache holds pages for every layer; leaving those layers' state exact in "
+                         "transformers' own cache layers is not implemented, so patch_model refuses hybrid models")
+    for a in layers:
+        if a.kind == "chunked":
+            raise ValueError(f"quest-hf: {name!r} layer {a.layer_idx} uses chunked attention (chunks of {a.window}); "
+                             "Quest's decode serves full and sliding-window layers only")
+        if a.kind not in ("full", "sliding"):
+            raise ValueError(f"quest-hf: {name!r} layer {a.layer_idx} has attention of kind {a.kind!r}, which "
+                             "Quest's decode does not serve")
+    module = families.attention_modules(model)
+    for a in layers:
+        if (a.softcap or a.has_sinks) and family_eager(module[a.layer_idx]) is None:
+            raise ValueError(f"quest-hf: {name!r} layer {a.layer_idx} has a logit soft-cap or sinks, which SDPA "
+                             f"cannot apply, and {type(module[a.layer_idx]).__module__} has no "
+                             "eager_attention_forward to run its dense prefill; not supported")
+    return layers
 
 
 def _check_settings(model, config: QuestConfig) -> None:
