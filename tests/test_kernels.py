@@ -419,13 +419,14 @@ def test_device_window_equals_the_host_window(L, window, S):
     # whole allocation; it must score and attend exactly as the host window_start over the written slots.
     g = torch.Generator().manual_seed(L + window)
     B, H, G, D, C = 2, 2, 3, 16, 128
-    keys, values = torch.zeros(B, H, C, D), torch.zeros(B, H, C, D)
-    kmin, kmax = torch.full((B, H, C // S, D), float("inf")), torch.full((B, H, C // S, D), float("-inf"))
-    valid = torch.zeros(B, C, dtype=torch.bool)
-    tk.append_kv_ref(keys, values, kmin, kmax, valid, torch.randn(B, H, L, D, generator=g),
-                     torch.randn(B, H, L, D, generator=g), None, 0)
-    q = torch.randn(B, H * G, D, generator=g)
-    pos, ws = torch.tensor(L), max(0, L - window)
+    keys, values = torch.zeros(B, H, C, D, device=DEV), torch.zeros(B, H, C, D, device=DEV)
+    kmin = torch.full((B, H, C // S, D), float("inf"), device=DEV)
+    kmax = torch.full((B, H, C // S, D), float("-inf"), device=DEV)
+    valid = torch.zeros(B, C, dtype=torch.bool, device=DEV)
+    tk.append_kv_ref(keys, values, kmin, kmax, valid, torch.randn(B, H, L, D, generator=g).to(DEV),
+                     torch.randn(B, H, L, D, generator=g).to(DEV), None, 0)
+    q = torch.randn(B, H * G, D, generator=g).to(DEV)
+    pos, ws = torch.tensor(L, device=DEV), max(0, L - window)
     P = -(-L // S)
     for score in (tk.score_pages_ref, tk.score_pages):
         dev = score(q, kmin, kmax, C, S, 0, "none", pos=pos, window=window)
