@@ -20,6 +20,10 @@ class Ops:
     topk_pages: Callable
     sparse_decode_attention: Callable
     append_token_at: Callable  # one decode token at a device position (the captured static cache)
+    encode_codes: Callable  # the key-code selectors' kernels (quest_hf/selectors/codes.py)
+    encode_codes_at: Callable
+    code_scores: Callable
+    top_p_mask: Callable
 
 
 def _on_tensor_device(fn):
@@ -35,10 +39,10 @@ def _on_tensor_device(fn):
     return launch
 
 
-TORCH = Ops("torch", tk.append_kv_ref, tk.score_pages_ref, tk.topk_pages_ref, tk.sparse_decode_attention_ref,
-            tk.append_token_at_ref)
-TRITON = Ops("triton", *(_on_tensor_device(f) for f in (tk.append_kv, tk.score_pages, tk.topk_pages,
-                                                          tk.sparse_decode_attention, tk.append_token_at)))
+_PAIRS = ("append_kv", "score_pages", "topk_pages", "sparse_decode_attention", "append_token_at", "encode_codes",
+          "encode_codes_at", "code_scores", "top_p_mask")
+TORCH = Ops("torch", *(getattr(tk, f"{name}_ref") for name in _PAIRS))
+TRITON = Ops("triton", *(_on_tensor_device(getattr(tk, name)) for name in _PAIRS))
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:

@@ -174,8 +174,13 @@ def test_triton_backend_runs_the_listed_kernel_and_equals_torch(single_thread, m
     ids, mask = left_padded_batch(lengths=(60, 41))
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     calls = []
-    kernel = tk.code_scores
-    monkeypatch.setattr(tk, "code_scores", lambda *a, **k: calls.append(a[-1] is not None) or kernel(*a, **k))
+    import dataclasses
+
+    from quest_hf import ops
+
+    kernel = ops.TRITON.code_scores  # the backend record the layers resolve to (quest_hf.ops.resolve_backend)
+    spy = dataclasses.replace(ops.TRITON, code_scores=lambda *a, **k: calls.append(a[-1] is not None) or kernel(*a, **k))
+    monkeypatch.setattr(ops, "TRITON", spy)
     out = {}
     for backend in ("torch", "triton"):
         patch_model(model, config=QuestConfig(budget=32, backend=backend, policy="qcode2s", cuda_graph=False))

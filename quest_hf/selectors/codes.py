@@ -31,13 +31,6 @@ from triton_kernels.key_codes import code_bytes
 from .base import Selector, metadata_bytes, top_pages
 
 
-def _kernels(layer):
-    """(encode_codes, encode_codes_at, code_scores, top_p_mask) of the layer's backend."""
-    if layer.ops.name == "triton":
-        return tk.encode_codes, tk.encode_codes_at, tk.code_scores, tk.top_p_mask
-    return tk.encode_codes_ref, tk.encode_codes_at_ref, tk.code_scores_ref, tk.top_p_mask_ref
-
-
 class QCodeSelector(Selector):
     """Pages ranked by their best token's q.k estimated from `bits`-bit per-channel codes on the page grid.
 
@@ -75,7 +68,7 @@ class QCodeSelector(Selector):
             upto = min(upto, known_upto)
         full = seq_len // S
         if full > upto:
-            _kernels(layer)[0](layer.keys, layer.kmin, layer.kmax, codes, upto, full - upto, self.bits)
+            layer.ops.encode_codes(layer.keys, layer.kmin, layer.kmax, codes, upto, full - upto, self.bits)
             upto = full
         layer.side_state[self.key] = upto
         return codes
@@ -83,7 +76,7 @@ class QCodeSelector(Selector):
     def on_append(self, layer, key_states, start, valid_new):
         if key_states.shape[2] == 1 and self.key in layer.side:
             # A decode append: the page it completed (if any), found from the device position.
-            _kernels(layer)[1](layer.keys, layer.kmin, layer.kmax, layer.side[self.key], layer.pos, self.bits)
+            layer.ops.encode_codes_at(layer.keys, layer.kmin, layer.kmax, layer.side[self.key], layer.pos, self.bits)
         else:  # before seq_len moves: encode the pages this append completed
             self._sync(layer, start + key_states.shape[2], known_upto=start // layer.page_size)
 
@@ -103,7 +96,7 @@ class QCodeSelector(Selector):
             raise NotImplementedError(f"policy {layer.config.policy!r} does not support sliding-window layers; "
                                       "use policy='quest' for this model")
         cfg, S = layer.config, layer.page_size
-        score, mask = _kernels(layer)[2:]
+        score, mask = layer.ops.code_scores, layer.ops.top_p_mask
         group = q.shape[1] // layer.keys.shape[1]
         if self.top_p is not None:  # host length: the current page is the last of ceil(seq_len / S)
             s = score(q, layer.keys, layer.kmin, layer.kmax, self._codes(layer), layer.valid, layer.seq_len, S, 0,
@@ -151,7 +144,7 @@ class TwoStageCodeSelector(QCodeSelector):
         # Candidates per query head (+ 1: the spare page, always +inf, takes a slot); every other page's bound
         # becomes -inf in place.
         cand = ops.topk_pages(bound, min(P, self.candidates * cfg.num_pages + 1), 1, mask_rest=True)
-        score = _kernels(layer)[2]
+        score = layer.ops.code_scores
         # The code scores replace the candidates' bounds; pos= keeps the current page (codes unwritten) at +inf.
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._codes(layer), layer.valid, C, S, 0, self.bits,
                   "max", 1.0, cand, bound, pos=layer.pos)
