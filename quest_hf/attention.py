@@ -5,7 +5,7 @@ layer has a logit soft-cap or sinks (SDPA drops or refuses them). Every decode t
 the layer's pages (no host state, so the same step runs eagerly and inside a captured CUDA graph), with the layer's
 window, soft-cap, sinks and scaling as `quest_hf.families.describe` reads them from the model:
 
-    dense layer (the first `dense_layers`; or the window fits the budget) ─► every page (of the window) ─┐
+    dense layer (`QuestConfig.is_dense`; or the window fits the budget) ─► every page (of the window) ───┐
     sparse layer ─► the policy's selector: score ─► Top-K ─► page ids ──────────────────────────────────┴► attention
 """
 from __future__ import annotations
@@ -84,6 +84,6 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
         if hooks:
             selected(getattr(state, "graph", None), idx, q, ids, layer, hooks)
 
-    out = decode_attention(layer, q, scale, idx < layer.config.dense_layers, window, on_select, softcap,
+    out = decode_attention(layer, q, scale, layer.config.is_dense(idx), window, on_select, softcap,
                            sinks.float() if sinks is not None else None)
     return out[:, None], None

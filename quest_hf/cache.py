@@ -359,6 +359,7 @@ class QuestCache(Cache):
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        config.check_layers(num_layers)
         self.quest_config = config
         self._step = _Step()
         self.selection_hooks: list = []
@@ -369,7 +370,8 @@ class QuestCache(Cache):
         self.reused = False
         # How its decode steps ran: "captured" (a CUDA graph replay) or "eager: <why not>"; None before any.
         self.decode_path: str | None = None
-        super().__init__(layers=[QuestLayer(config, self._step, max_length) for _ in range(num_layers)])
+        # Each layer runs under its own config: its budget (QuestConfig.layer_budgets) is what its selector reads.
+        super().__init__(layers=[QuestLayer(config.for_layer(i), self._step, max_length) for i in range(num_layers)])
 
     @classmethod
     def from_model(cls, model, max_length: int | None = None) -> QuestCache:
@@ -387,9 +389,10 @@ class QuestCache(Cache):
         if config is not None:
             if config.page_size != self.quest_config.page_size:
                 raise ValueError(f"a copy keeps the pages: page_size must stay {self.quest_config.page_size}")
+            config.check_layers(len(new.layers))
             new.quest_config = config
-            for layer in new.layers:
-                layer.config = config
+            for i, layer in enumerate(new.layers):
+                layer.config = config.for_layer(i)
                 layer.side_state.clear()  # another policy's bookkeeping starts afresh
                 if layer.is_initialized:
                     layer.ops = resolve_backend(config.backend, layer.device)

@@ -1,5 +1,7 @@
 """QuestConfig: every knob of quest-hf, validated once on creation."""
-from dataclasses import dataclass, field
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
 
 GQA_MODES = ("union", "max", "sum")
 BACKENDS = ("auto", "torch", "triton")
@@ -51,6 +53,13 @@ class QuestConfig:
             (top-budget tokens by exact q.k per head; reads every key, for evaluation only) go through the
             same decode path for comparisons.
 
+        layer_budgets: None (default: every sparse layer uses `budget`) or one budget per model layer, e.g. from
+            `quest_hf.calibrate(model, ...)`; each must be valid as `budget` is (a multiple of `page_size`, at least
+            2 pages). `budget` then names the flat budget they were chosen against (their bytes per step match it).
+            The length must equal the model's layer count (checked by `patch_model` / `QuestCache`).
+        dense: None (default: the first `dense_layers` decode dense) or the indices of the layers that decode dense,
+            overriding `dense_layers` (`dense=()`: none).
+
     Two settings are for tests only (they let the CPU suite run what is CUDA-only): `_compile_devices`, the
     device types whose one-token inputs `compile_decode` compiles, and `_defer_devices`, those where a QuestCache
     asks for the deferred stop check (transformers' check needs device events, which CPU lacks); both `("cuda",)`.
@@ -66,6 +75,8 @@ class QuestConfig:
     compile_decode: bool = True
     defer_stop_check: bool = True
     compile_backend: str = "inductor"
+    layer_budgets: tuple[int, ...] | None = None
+    dense: tuple[int, ...] | None = None
     _compile_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
     _defer_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
 
@@ -91,6 +102,7 @@ class QuestConfig:
             )
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+        self._check_per_layer()
         from .selectors import policy_names, selector_for  # registered (quest_hf.selectors.register_selector)
 
         for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", policy_names())):
@@ -104,6 +116,10 @@ class QuestConfig:
                 f"pages and would read {self.budget // ps} pages ({low} tokens) a head; use budget={low} or "
                 f"budget={high}"
             )
+        for i, b in enumerate(self.layer_budgets or ()):
+            if b < 2 * ps or (b % ps and not token_budget):
+                raise ValueError(f"layer_budgets[{i}]={b} must be a multiple of page_size={ps} and at least 2 pages "
+                                 f"({2 * ps} tokens), as budget must; use {max(2 * ps, b // ps * ps)}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
         for name in ("compile_decode", "defer_stop_check"):
@@ -120,6 +136,47 @@ class QuestConfig:
         if self.cuda_graph is True and self.policy not in captured_policies():
             raise ValueError(f"cuda_graph=True captures the policies {', '.join(captured_policies())}, got "
                              f"policy={self.policy!r} (its scores need host lengths); use cuda_graph='auto' or False")
+
+    def _check_per_layer(self) -> None:
+        """Types of `layer_budgets` / `dense` (lists become tuples); their length is checked by `check_layers`."""
+        for name in ("layer_budgets", "dense"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, name, value)  # frozen: normalised once, so the config stays hashable
+            if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise TypeError(f"QuestConfig.{name} must be a tuple of ints or None, got {value!r}")
+        if self.layer_budgets is not None and not self.layer_budgets:
+            raise ValueError("layer_budgets=() gives no layer a budget: pass one budget per model layer, or None")
+        if self.dense is not None:
+            if any(i < 0 for i in self.dense) or len(set(self.dense)) != len(self.dense):
+                raise ValueError(f"dense must list distinct layer indices >= 0, got {self.dense!r}")
+            object.__setattr__(self, "dense", tuple(sorted(self.dense)))
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise ValueError unless `layer_budgets` / `dense` fit a model of `num_layers` layers."""
+        if self.layer_budgets is not None and len(self.layer_budgets) != num_layers:
+            raise ValueError(f"layer_budgets has {len(self.layer_budgets)} entries for a model of {num_layers} "
+                             f"layers: give one budget per layer (dense layers included), e.g. from "
+                             "quest_hf.calibrate(model, ...) on this model")
+        if self.dense and self.dense[-1] >= num_layers:
+            raise ValueError(f"dense names layer {self.dense[-1]}, but the model has layers 0-{num_layers - 1}")
+
+    def is_dense(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` decodes dense: listed in `dense`, else one of the first `dense_layers`."""
+        return layer_idx in self.dense if self.dense is not None else layer_idx < self.dense_layers
+
+    def layer_budget(self, layer_idx: int) -> int:
+        """The budget of layer `layer_idx`: `layer_budgets[layer_idx]`, else `budget`."""
+        return self.budget if self.layer_budgets is None else self.layer_budgets[layer_idx]
+
+    def for_layer(self, layer_idx: int) -> QuestConfig:
+        """The config layer `layer_idx` runs under (its selector and kernels read `budget` / `num_pages`): this one
+        with `budget` set to the layer's own."""
+        budget = self.layer_budget(layer_idx)
+        return self if budget == self.budget else replace(self, budget=budget)
 
     @property
     def num_pages(self) -> int:

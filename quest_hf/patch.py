@@ -434,7 +434,10 @@ def _check_settings(model, config: QuestConfig) -> None:
             raise ValueError(f"backend='triton' cannot run on this model: {reason}. Use backend='auto' (Triton on "
                              "CUDA, PyTorch elsewhere) or backend='torch'.")
     layers = model.config.get_text_config().num_hidden_layers
-    if config.dense_layers >= layers:
+    config.check_layers(layers)  # layer_budgets / dense: one per layer, inside the model
+    if config.dense is not None and len(config.dense) == layers:
+        logger.warning(f"quest-hf: dense lists all {layers} layers of this model: Quest selects nothing")
+    elif config.dense is None and config.dense_layers >= layers:
         logger.warning(f"quest-hf: dense_layers={config.dense_layers} covers all {layers} layers of this model: every "
                        f"layer decodes dense and Quest selects nothing; use dense_layers < {layers} for sparse layers")
 

@@ -25,9 +25,10 @@ class LayerPlan:
 def layer_plan(model) -> list[LayerPlan]:
     """One `LayerPlan` per attention layer of a patched `model`, in layer order.
 
-    "dense": one of the first `dense_layers`, or a sliding layer whose window fits the budget (every token of the
-    window, exact). "sparse": Quest's page selection once the context (or, on a sliding layer, the window) holds
-    more than `budget` tokens; below that the layer attends to everything, exactly.
+    "dense": listed in `dense` (or one of the first `dense_layers`), or a sliding layer whose window fits the
+    layer's budget (every token of the window, exact). "sparse": Quest's page selection once the context (or, on a
+    sliding layer, the window) holds more than the layer's budget (`QuestConfig.layer_budget`); below that the
+    layer attends to everything, exactly.
     """
     state = getattr(model, "_quest_state", None)
     if state is None:
@@ -35,15 +36,16 @@ def layer_plan(model) -> list[LayerPlan]:
     cfg = state.config
     plans = []
     for idx in sorted(state.attention):
-        a = state.attention[idx]
-        if idx < cfg.dense_layers:
-            mode, reason = "dense", f"one of the first dense_layers={cfg.dense_layers}"
-        elif a.kind == "sliding" and a.window <= cfg.budget:
-            mode, reason = "dense", f"sliding window {a.window} fits the budget {cfg.budget}"
+        a, budget = state.attention[idx], cfg.layer_budget(idx)
+        if cfg.is_dense(idx):
+            mode, reason = "dense", ("listed in dense" if cfg.dense is not None
+                                     else f"one of the first dense_layers={cfg.dense_layers}")
+        elif a.kind == "sliding" and a.window <= budget:
+            mode, reason = "dense", f"sliding window {a.window} fits the budget {budget}"
         elif a.kind == "sliding":
-            mode, reason = "sparse", f"pages of its sliding window {a.window}, budget {cfg.budget}"
+            mode, reason = "sparse", f"pages of its sliding window {a.window}, budget {budget}"
         else:
-            mode, reason = "sparse", f"full attention, budget {cfg.budget} once the context passes it"
+            mode, reason = "sparse", f"full attention, budget {budget} once the context passes it"
         plans.append(LayerPlan(idx, mode, reason, a))
     return plans
 
@@ -60,7 +62,7 @@ def describe_patch(model) -> str:
     state = model._quest_state
     cfg = state.config
     head = (f"quest-hf on {model.config.model_type}: {state.num_layers} layers, policy {cfg.policy}, "
-            f"budget {cfg.budget}, page_size {cfg.page_size}")
+            f"budget {cfg.budget}{' (per layer below)' if cfg.layer_budgets else ''}, page_size {cfg.page_size}")
     lines, run = [head], []
 
     def line(p: LayerPlan) -> str:

@@ -1,4 +1,5 @@
-"""Bytes a decode step reads from the KV cache in one sparse layer, per policy (for equal-bytes comparisons)."""
+"""Bytes a decode step reads from the KV cache in one sparse layer, per policy, and over a model's layers under a
+config with per-layer budgets (for equal-bytes comparisons)."""
 from __future__ import annotations
 
 import math
@@ -43,3 +44,33 @@ def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int
     if policy == "oracle":
         return seq_len * kv_heads * head_dim * elt + kv_heads * min(seq_len, group * budget) * head_dim * elt
     raise ValueError(f"unknown policy {policy!r}")
+
+
+def layer_step_bytes(config, layer_idx: int, seq_len: int, kv_heads: int, head_dim: int, elt: int, group: int = 1,
+                     pages_read: float | None = None) -> float:
+    """`step_bytes` of layer `layer_idx` under `config`: dense bytes for a dense layer (`config.is_dense`), else the
+    policy's bytes at the layer's own budget (`config.layer_budget`). `pages_read` (over all KV heads) defaults to
+    the most that budget can read: `budget // page_size` pages a query head, united per KV group (`gqa_mode`
+    "union"), at most the context's pages."""
+    if config.is_dense(layer_idx):
+        return dense_bytes(seq_len, kv_heads, head_dim, elt)
+    budget, S = config.layer_budget(layer_idx), config.page_size
+    if pages_read is None:
+        share = group if config.gqa_mode == "union" and config.policy != "streaming" else 1
+        pages_read = kv_heads * min(math.ceil(seq_len / S), share * (budget // S))
+    return step_bytes(config.policy, seq_len, kv_heads, head_dim, elt, S, pages_read, budget, group)
+
+
+def model_step_bytes(config, num_layers: int, seq_len: int, kv_heads: int, head_dim: int, elt: int,
+                     group: int = 1, pages_read=None) -> float:
+    """Bytes one decode step reads over all `num_layers` layers under `config` (per-layer budgets and dense layers
+    included): the sum of `layer_step_bytes`. `pages_read`: None (each layer's most) or per layer (a sequence or
+    {layer: pages over all KV heads}, e.g. measured through `QuestCache.selection_hooks`)."""
+    config.check_layers(num_layers)
+    total = 0.0
+    for i in range(num_layers):
+        measured = None
+        if pages_read is not None:
+            measured = pages_read.get(i) if isinstance(pages_read, dict) else pages_read[i]
+        total += layer_step_bytes(config, i, seq_len, kv_heads, head_dim, elt, group, measured)
+    return total

@@ -55,9 +55,10 @@ def fork_cache(cache: QuestCache, config: QuestConfig) -> QuestCache:
         fork = copy.deepcopy(cache)
     finally:
         cache.selection_hooks = hooks
+    config.check_layers(len(fork.layers))
     fork.quest_config = config
-    for layer in fork.layers:
-        layer.config = config
+    for i, layer in enumerate(fork.layers):
+        layer.config = config.for_layer(i)  # the layer's own budget (QuestConfig.layer_budgets)
     return fork
 
 

@@ -70,8 +70,8 @@ def models():
     return {"llama": llama, "mistral": mistral}
 
 
-def _run(model, ids, cuda_graph, **kw):
-    patch_model(model, budget=64, page_size=16, cuda_graph=cuda_graph)
+def _run(model, ids, cuda_graph, options=None, **kw):
+    patch_model(model, **(options or dict(budget=64, page_size=16)), cuda_graph=cuda_graph)
     graph = model._quest_state.graph
     before = graph.captures, graph.replays  # counted over the model's life
     cache = QuestCache.from_model(model, max_length=ids.shape[1] + kw.get("max_new_tokens", 24))
@@ -84,6 +84,10 @@ def _run(model, ids, cuda_graph, **kw):
 
 @pytest.mark.parametrize("family, kw", [
     pytest.param("llama", dict(do_sample=False), id="greedy"),
+    pytest.param("llama", dict(do_sample=False, options=dict(budget=64, layer_budgets=(32, 128, 64, 32), dense=(1,))),
+                 id="per-layer-budgets"),
+    pytest.param("llama", dict(do_sample=False, options=dict(budget=64, layer_budgets=(128, 32, 64, 96), dense=())),
+                 id="per-layer-budgets-no-dense"),
     pytest.param("llama", dict(do_sample=True, top_k=20), id="sampling-seeded"),
     pytest.param("llama", dict(do_sample=False, num_beams=3), id="beams3"),
     pytest.param("mistral", dict(do_sample=False), id="sliding-window-past-it"),
