@@ -13,19 +13,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 import triton_kernels as tk  # noqa: E402
 from triton_kernels import sparse_attention as attn_mod  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-# (atol, rtol) on outputs in the given dtype; the kernels do fp32 math, so this is output rounding plus, for
-# attention, the probabilities cast to the K/V dtype before the P.V product.
-TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (2e-2, 2e-2)}
-
-
-def assert_close(actual, expected, dtype=None):
-    dtype = dtype or expected.dtype
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    assert not actual.isnan().any(), "NaN in the kernel's output"
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=False)
+from .testing import BF16, F16, F32, assert_close, nan_empty  # noqa: E402
+from .testing import DEVICE as DEV  # noqa: E402
 
 
 def empty_layer(B, H, C, D, S, dtype, g):
@@ -456,13 +445,7 @@ CAP_SINK_CASES = [
 
 def _nan_empty(monkeypatch):
     """Every float torch.empty starts as NaN, so that a slot the kernel does not write fails the test."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
 
 
 @pytest.mark.parametrize("fuse_merge", [True, False], ids=["fused-merge", "merge-kernel"])
