@@ -16,6 +16,7 @@ triton.testing.do_bench instead, whose flush leaves L2 full of dirty lines (benc
 Writes <name>.json and <name>.md into --out-dir (default results/bench_kernels/).
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -50,10 +51,15 @@ def make_layer(B, H, L, D, dtype, seed):
     return kc, vc, kmin, kmax, valid
 
 
+# The launch configuration of each stage: the library's defaults, replaced by --tune's choice for the sweep.
+LAUNCH = dict(score=score_mod.SCORE_LAUNCH, topk=topk_mod.TOPK_LAUNCH, attn=attn_mod.ATTENTION_LAUNCH)
+
+
 class Step:
     """One Quest decode step on one input set; mode 'union' (reduce none + union) or 'max'."""
 
-    def __init__(self, layer, q, k, mode):
+    def __init__(self, layer, q, k, mode, launch=None):
+        self.launch = dict(LAUNCH, **(launch or {}))
         self.kc, self.vc, self.kmin, self.kmax, self.valid = layer
         self.q, self.k, self.mode = q, k, mode
         self.L = self.kc.shape[2]
@@ -66,18 +72,20 @@ class Step:
         self.ids = self.topk()
 
     def score(self):
-        return tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce)
+        return tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce, launch=self.launch["score"])
 
     def topk(self):
-        return tk.topk_pages(self.scores, self.k, self.group)
+        return tk.topk_pages(self.scores, self.k, self.group, launch=self.launch["topk"])
 
     def attn(self):
-        return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.L, PAGE, self.scale)
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.L, PAGE, self.scale,
+                                          launch=self.launch["attn"])
 
     def full(self):
-        s = tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce)
-        ids = tk.topk_pages(s, self.k, self.group)
-        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale)
+        s = tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce, launch=self.launch["score"])
+        ids = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
+                                          launch=self.launch["attn"])
 
     def bytes_read(self):
         B, H, P, D = self.kmin.shape
@@ -123,11 +131,10 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
         t_graph = graph_time(steps, "full")
         extra = {}
         if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
-            default = attn_mod.FUSE_MERGE_MAX_SPLITS
             for name, limit in (("attn_fused_merge_us", 1 << 30), ("attn_merge_kernel_us", 0)):
-                attn_mod.FUSE_MERGE_MAX_SPLITS = limit
-                extra[name] = graph_time(steps, "attn")
-            attn_mod.FUSE_MERGE_MAX_SPLITS = default
+                attn = dataclasses.replace(LAUNCH["attn"], fuse_merge_max_splits=limit)
+                extra[name] = graph_time([Step((s.kc, s.vc, s.kmin, s.kmax, s.valid), s.q, s.k, mode, dict(attn=attn))
+                                          for s in steps], "attn")
         nbytes, chosen = steps[0].bytes_read()
         limit_us = nbytes / bw * 1e6
         best = min(t_total, t_graph)
@@ -219,14 +226,12 @@ def check():
                 if reduce == "none":
                     ids_ref = tk.topk_pages_ref(s_ref, 128, group)
                     o_ref = tk.sparse_decode_attention_ref(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
-                    default = attn_mod.FUSE_MERGE_MAX_SPLITS
                     for limit in (0, 1 << 30, 1 << 30, 1 << 30):  # merge kernel; fused merge 3x (a race varies)
-                        attn_mod.FUSE_MERGE_MAX_SPLITS = limit
-                        o = tk.sparse_decode_attention(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws)
+                        attn = attn_mod.AttentionLaunch(fuse_merge_max_splits=limit)
+                        o = tk.sparse_decode_attention(q, kc, vc, ids_ref, valid, L, PAGE, D ** -0.5, ws, launch=attn)
                         rel = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
                         assert not o.isnan().any() and rel < 2e-2, \
                             f"attn rel err {rel} {dtype} {H_q} {H_kv} {D} {L} {B} {limit}"
-                    attn_mod.FUSE_MERGE_MAX_SPLITS = default
                     report.append(f"{dtype} Hq{H_q}/Hkv{H_kv} D{D} L{L} B{B}: "
                                   f"attn rel err {rel:.2e}, score err {err:.1e}")
             del kc, vc, kmin, kmax, valid, ref_cache
@@ -236,13 +241,13 @@ def check():
 
 
 TUNE_SPACE = {
-    "score": (score_mod, ("BLOCK_P", "NUM_WARPS"), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (32, 2)]),
-    "topk": (topk_mod, ("KEYS_PER_THREAD", "MAX_TILE"),
+    "score": ("score", ("block_p", "num_warps"), [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (32, 2)]),
+    "topk": ("topk", ("keys_per_thread", "max_tile"),
              [(32, 16384), (16, 16384), (64, 16384), (8, 16384), (128, 16384), (32, 8192)]),
-    "attn": (attn_mod, ("BLOCK_N", "NUM_WARPS", "PROGRAMS_PER_SM"),
+    "attn": ("attn", ("block_n", "num_warps", "programs_per_sm"),
              [(32, 4, 4), (64, 4, 4), (64, 4, 8), (64, 8, 4), (128, 8, 4), (64, 4, 2), (32, 2, 8), (32, 4, 8),
               (32, 4, 3), (32, 4, 2), (32, 4, 6), (16, 4, 4), (16, 2, 8)]),
-    "attn_stages": (attn_mod, ("NUM_STAGES", "BLOCK_N"), [(3, 32), (1, 32), (2, 32), (4, 32), (2, 64), (3, 64)]),
+    "attn_stages": ("attn", ("num_stages", "block_n"), [(3, 32), (1, 32), (2, 32), (4, 32), (2, 64), (3, 64)]),
 }
 
 
@@ -268,26 +273,27 @@ def check_topk_large():
 
 def tune(bw):
     """Time each stage's candidate block sizes (CUDA-graph replays) on llama2 union / llama3 max at 32K and
-    128K, batch 1, fp16; keep the candidate with the lowest summed time in the module globals."""
+    128K, batch 1, fp16; keep the candidate with the lowest summed time in LAUNCH (this script's sweep)."""
     cases = []
     for shape, mode in (("llama2-7b", "union"), ("llama3-8b", "max")):
         H_q, H_kv, D = SHAPES[shape]
         for L in (32768, 131072):
             layer = make_layer(1, H_kv, L, D, torch.float16, 0)
             q = torch.randn(1, H_q, D, device=DEV, dtype=torch.float16)
-            cases.append((f"{shape}/{mode}/{L}", Step(layer, q, 128, mode)))
+            cases.append((f"{shape}/{mode}/{L}", (layer, q, mode)))
+    cases = [(name, Step(layer, q, 128, mode)) for name, (layer, q, mode) in cases]
     results = {"full_graph_us": {name: graph_time([st], "full") for name, st in cases}}
     print(f"tune: whole step (graph) {results['full_graph_us']}", flush=True)
-    for stage, (mod, names, cands) in TUNE_SPACE.items():
+    for stage, (key, names, cands) in TUNE_SPACE.items():
         if TUNE_STAGES and stage not in TUNE_STAGES:
             continue
-        default = tuple(getattr(mod, n) for n in names)
+        default = tuple(getattr(LAUNCH[key], n) for n in names)
         best = None
         for cand in cands:
-            for n, v in zip(names, cand, strict=True):
-                setattr(mod, n, v)
+            launch = {key: dataclasses.replace(LAUNCH[key], **dict(zip(names, cand, strict=True)))}
             try:
-                times = {name: graph_time([st], stage.split("_")[0]) for name, st in cases}
+                times = {name: graph_time([Step((st.kc, st.vc, st.kmin, st.kmax, st.valid), st.q, st.k, st.mode,
+                                                launch)], stage.split("_")[0]) for name, st in cases}
             except Exception as e:  # a candidate that does not compile is skipped, not fatal
                 print(f"tune: {stage} {cand} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
@@ -298,8 +304,7 @@ def tune(bw):
             if best is None or tot < best[0]:
                 best = (tot, cand)
         chosen = best[1] if best else default
-        for n, v in zip(names, chosen, strict=True):
-            setattr(mod, n, v)
+        LAUNCH[key] = dataclasses.replace(LAUNCH[key], **dict(zip(names, chosen, strict=True)))
         results[stage + "_chosen"] = dict(zip(names, chosen, strict=True))
         print(f"tune: {stage} chosen {dict(zip(names, chosen, strict=True))}", flush=True)
     del cases

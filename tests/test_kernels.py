@@ -1,4 +1,5 @@
 """Triton launchers vs their PyTorch reference twins (CPU, TRITON_INTERPRET=1, small odd sizes)."""
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
@@ -243,10 +244,10 @@ def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch)
     # Rows longer than one register tile loop over tiles on every pass (128K-token unions on a GPU).
     from triton_kernels import topk as topk_mod
 
-    monkeypatch.setattr(topk_mod, "MAX_TILE", 256)
-    assert not topk_mod.launch_config(P, group)[2]
+    launch = topk_mod.TopKLaunch(max_tile=256)
+    assert not topk_mod.launch_config(P, group, launch)[2]
     s = random_scores(B, R, P, seed=P, ties=ties)
-    got, want = tk.topk_pages(s, k, group), tk.topk_pages_ref(s, k, group)
+    got, want = tk.topk_pages(s, k, group, launch=launch), tk.topk_pages_ref(s, k, group)
     assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
     if ties:  # lowest ids among the ties: compare against a stable sort by (-score, id)
         order = torch.sort(-s, dim=-1, stable=True).indices[..., :k]
@@ -263,13 +264,11 @@ def test_topk_union_in_two_launches_equals_one(B, R, P, k, group, tile, monkeypa
     # pages they give exactly the one-launch kernel's ids (both take the lowest ids among a row's ties).
     from triton_kernels import topk as topk_mod
 
-    if tile:
-        monkeypatch.setattr(topk_mod, "MAX_TILE", tile)
+    launch = topk_mod.TopKLaunch(max_tile=tile) if tile else topk_mod.TOPK_LAUNCH
     s = random_scores(B, R, P, seed=P + k, ties=True, dead=0.3)
-    assert topk_mod.SPLIT_UNION
-    split = tk.topk_pages(s, k, group)
-    monkeypatch.setattr(topk_mod, "SPLIT_UNION", False)
-    one = tk.topk_pages(s, k, group)
+    assert topk_mod.TOPK_LAUNCH.split_union
+    split = tk.topk_pages(s, k, group, launch=launch)
+    one = tk.topk_pages(s, k, group, launch=dataclasses.replace(launch, split_union=False))
     assert torch.equal(split, one)
     # Expected: each row's k best by a stable sort on (-score, id), -inf never, united over the group.
     order = torch.sort(-s, dim=-1, stable=True).indices[..., :k]
@@ -287,12 +286,11 @@ def test_topk_mask_rest_leaves_each_rows_own_choice(B, R, P, k, group, ties, til
     # Two-stage selectors: the scores a row did not choose become -inf in place (the candidates keep theirs).
     from triton_kernels import topk as topk_mod
 
-    if tile:
-        monkeypatch.setattr(topk_mod, "MAX_TILE", tile)
+    launch = topk_mod.TopKLaunch(max_tile=tile) if tile else topk_mod.TOPK_LAUNCH
     s = random_scores(B, R, P, seed=P + 1, ties=ties)
     got_s, want_s = s.clone(), s.clone()
-    got = tk.topk_pages(got_s, k, group, mask_rest=True)
-    assert torch.equal(got, tk.topk_pages(s.clone(), k, group))  # the ids are as without mask_rest
+    got = tk.topk_pages(got_s, k, group, mask_rest=True, launch=launch)
+    assert torch.equal(got, tk.topk_pages(s.clone(), k, group, launch=launch))  # the ids are as without mask_rest
     tk.topk_pages_ref(want_s, k, group, mask_rest=True)
     kept = got_s > float("-inf")
     assert torch.equal(got_s[kept], s[kept])  # kept scores are untouched
@@ -364,13 +362,13 @@ ATTN_CASES = [
 @pytest.mark.parametrize("fuse_merge", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,ws,k,dtype,pad", ATTN_CASES)
 def test_sparse_attention_matches_reference(B, Hq, Hkv, D, S, L, ws, k, dtype, pad, fuse_merge, monkeypatch):
-    monkeypatch.setattr(attn_mod, "FUSE_MERGE_MAX_SPLITS", 1 << 30 if fuse_merge else 0)
+    launch = attn_mod.AttentionLaunch(fuse_merge_max_splits=1 << 30 if fuse_merge else 0)
     kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L + 1, pad=pad)
     q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
     scores = tk.score_pages_ref(q, kmin, kmax, L, S, ws, "none")
     ids = tk.topk_pages_ref(scores, k, Hq // Hkv)
     scale = D ** -0.5
-    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, scale, ws)
+    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, scale, ws, launch=launch)
     want = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, scale, ws)
     assert_close(got, want)
 
@@ -452,7 +450,7 @@ def _nan_empty(monkeypatch):
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,softcap,use_sinks", CAP_SINK_CASES)
 def test_sparse_attention_softcap_sinks_match_reference(B, Hq, Hkv, D, S, L, k, dtype, pad, softcap, use_sinks,
                                                         fuse_merge, monkeypatch):
-    monkeypatch.setattr(attn_mod, "FUSE_MERGE_MAX_SPLITS", 1 << 30 if fuse_merge else 0)
+    launch = attn_mod.AttentionLaunch(fuse_merge_max_splits=1 << 30 if fuse_merge else 0)
     kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L + 3, pad=pad)
     g = torch.Generator().manual_seed(7)
     q = (torch.randn(B, Hq, D, generator=g) * 3).to(dtype).to(DEV)  # logits well past a cap of 1-5
@@ -463,7 +461,8 @@ def test_sparse_attention_softcap_sinks_match_reference(B, Hq, Hkv, D, S, L, k, 
     scale = D ** -0.5
     want = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, scale, 0, softcap=softcap, sinks=sinks)
     _nan_empty(monkeypatch)
-    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, scale, 0, softcap=softcap, sinks=sinks)
+    got = tk.sparse_decode_attention(q, kc, vc, ids, valid, L, S, scale, 0, softcap=softcap, sinks=sinks,
+                                     launch=launch)
     assert_close(got, want)
     if B > 1:
         assert (got[1, : Hq // Hkv] == 0).all()

@@ -13,6 +13,8 @@ from . import testing
 from .conftest import tiny_model
 from .testing import BF16, F16, F32, nan_empty
 
+CodeScoreLaunch = tk.key_codes.CodeScoreLaunch
+
 top_p_scores = tk.top_p_mask_ref
 
 # Code scores sum D products of estimated keys: fp32 needs a little more room than one kernel output.
@@ -137,7 +139,7 @@ def test_code_scores_blocks(variant, bits, D, block_p, num_warps, ws, mode, S):
     q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(2)).to(F16)
     args = (q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid, L, S, ws, bits, mode, D ** -0.5)
     ref = tk.code_scores_ref(*args)
-    mine = tk.code_scores(*args, _block_p=block_p, _num_warps=num_warps, _variant=variant)
+    mine = tk.code_scores(*args, launch=CodeScoreLaunch(variant=variant, block_p=block_p, num_warps=num_warps))
     fin = ref.isfinite()
     assert (~fin).any() and fin.any()
     assert torch.equal(fin, mine.isfinite()) and torch.equal(ref[~fin], mine[~fin])
@@ -275,8 +277,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, torch.zeros(1, 1, layer.capacity, 3, dtype=torch.uint8), 0, 2)
     codes = torch.zeros(1, 1, layer.capacity, 4, dtype=torch.uint8)
-    with pytest.raises(ValueError):
-        tk.code_scores(torch.randn(1, 1, 16), layer.keys, layer.kmin, layer.kmax, codes, layer.valid, 9, 4, _variant="x")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        CodeScoreLaunch(variant="x")
     with pytest.raises(ValueError):  # the kernel reads kmin and kmax with one set of strides
         tk.code_scores(torch.randn(1, 1, 16), layer.keys, layer.kmin, layer.kmax.transpose(2, 3).contiguous().transpose(2, 3),
                        codes, layer.valid, 9, 4)

@@ -64,7 +64,7 @@ def test_listed_scores_kernel_matches_reference(bits, mode, variant, S):
     P = -(-L // S)
     pages = _lists(2, 6, P, 9, g)  # 9 ids: a partial last block; the current page is among some lists
     ref = tk.code_scores_ref(*args, pages)
-    mine = tk.code_scores(*args, pages, _block_p=4, _variant=variant)
+    mine = tk.code_scores(*args, pages, launch=tk.key_codes.CodeScoreLaunch(variant=variant, block_p=4))
     fin = ref.isfinite()
     assert torch.equal(fin, mine.isfinite()) and torch.equal(ref[~fin], mine[~fin])
     torch.testing.assert_close(mine[fin], ref[fin], atol=1e-3, rtol=1e-4)
@@ -108,7 +108,7 @@ def test_device_position_page_scores_inf(listed, variant):
     assert at.isfinite().any()
     forced = torch.ones_like(at, dtype=torch.bool) if pages is None else (pages == cur).any(-1)
     want[..., cur] = torch.where(forced, float("inf"), at)
-    for fn, kw in (("code_scores_ref", {}), ("code_scores", {"_variant": variant})):
+    for fn, kw in (("code_scores_ref", {}), ("code_scores", {"launch": tk.key_codes.CodeScoreLaunch(variant=variant)})):
         got = getattr(tk, fn)(*args, pages, pos=pos, **kw)
         fin = want.isfinite()
         assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin]), fn

@@ -11,6 +11,8 @@ keys the codes are 32 bytes a token: as many as Quest's min/max metadata at page
 Layout: codes uint8 `[B, H_kv, C, D * BITS // 8]`, channel `c` in byte `c // (8 // BITS)` at bit
 `BITS * (c % (8 // BITS))`; slot order like the keys. Codes of the current (partial) page are never read.
 """
+from dataclasses import dataclass
+
 import torch
 
 from ._common import check_cache, check_query, next_pow2, require_triton, tl, triton
@@ -579,12 +581,30 @@ def _code_scores_words_kernel(
 # splits a page's tokens over lanes). sm_90 build (triton 3.6) at D 128, 2 bits, page 16, 2 warps: 96
 # registers, no spills, no shared memory, 1736 instructions a thread for 512 channel-tokens (~3.4 each; the
 # code loop 2: LOP3 + FFMA).
-BLOCK_P = 16
-NUM_WARPS = 4
-VARIANT = "words"
-WORDS_NUM_WARPS = 2
-WORDS_TOK = 16  # tokens a thread scores at most: larger pages are split into units of this many tokens
 VARIANTS = ("words", "bytes")
+
+
+@dataclass(frozen=True)
+class CodeScoreLaunch:
+    """How `code_scores` launches (defaults above). variant: "words" (used where the codes allow it: D * bits a
+    multiple of 64 and 8-byte aligned rows; else "bytes") or "bytes"; block_p (power of two) and num_warps: None
+    for each variant's default; block_p_bytes / num_warps_bytes / num_warps_words: those defaults; words_tok:
+    tokens a "words" thread scores at most (larger pages are split into units of this many tokens)."""
+
+    variant: str = "words"
+    block_p: int | None = None
+    num_warps: int | None = None
+    block_p_bytes: int = 16
+    num_warps_bytes: int = 4
+    num_warps_words: int = 2
+    words_tok: int = 16
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+
+
+CODE_SCORE_LAUNCH = CodeScoreLaunch()
 
 
 def _words_ok(codes, D, bits):
@@ -594,13 +614,12 @@ def _words_ok(codes, D, bits):
 
 def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: int, window_start: int = 0,
                 bits: int = 2, mode: str = "max", scale: float = 1.0, pages=None, out=None, pos=None, *,
-                _block_p=None, _num_warps=None, _variant=None):
+                launch: CodeScoreLaunch = CODE_SCORE_LAUNCH):
     """Triton twin of `code_scores_ref` (kmin and kmax must share strides).
 
     Programs per (batch x query head): one per BLOCK_P complete pages (listed pages with `pages`), plus one
     for the current page.
-    Benchmark knobs: `_variant` ("words", the default where the codes allow it: D * bits a multiple of 64 and
-    8-byte aligned rows; else "bytes", round 1's kernel), `_block_p` (power of two), `_num_warps`.
+    `launch`: a `CodeScoreLaunch` (the kernel variant and its block sizes; benchmarks and tests vary it).
     """
     require_triton()
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
@@ -609,9 +628,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
         raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16, got {D}")
     if kmin.stride() != kmax.stride():
         raise ValueError(f"kmin and kmax must share strides, got {kmin.stride()} and {kmax.stride()}")
-    variant = _variant or VARIANT
-    if variant not in VARIANTS:
-        raise ValueError(f"_variant must be one of {VARIANTS}, got {variant!r}")
+    variant = launch.variant
     if variant == "words" and not _words_ok(codes, D, bits):
         variant = "bytes"
     if pages is None:
@@ -630,10 +647,10 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
     if variant == "words":
         # One page a thread: a warp's lanes are NW2 word pairs x 32 / NW2 pages. No wider than the complete pages.
         # A thread takes WORDS_TOK tokens of a page at most (pages of 32 are split in two).
-        num_warps = _num_warps or WORDS_NUM_WARPS
-        tok = min(page_size, WORDS_TOK)
+        num_warps = launch.num_warps or launch.num_warps_words
+        tok = min(page_size, launch.words_tok)
         ch = page_size // tok
-        block_p = _block_p or max(1, num_warps * 32 // (D * bits // 64) // ch)
+        block_p = launch.block_p or max(1, num_warps * 32 // (D * bits // 64) // ch)
         block_p = min(block_p, next_pow2(max(1, n_pages)))
         n_blocks = triton.cdiv(n_pages, block_p)
         _code_scores_words_kernel[(B * H * G, n_blocks + 1)](
@@ -642,12 +659,12 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
             USE_LSE=mode == "lse", HAS_PAGES=pages is not None, TOK=tok, HAS_POS=pos is not None, num_warps=num_warps,
         )
         return out
-    block_p = _block_p or max(1, BLOCK_P * 16 // page_size)
+    block_p = launch.block_p or max(1, launch.block_p_bytes * 16 // page_size)
     block_p = min(block_p, next_pow2(max(1, n_pages)))
     n_blocks = triton.cdiv(n_pages, block_p)
     _code_scores_kernel[(B * H * G, n_blocks + 1)](
         *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
         G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, USE_LSE=mode == "lse", HAS_PAGES=pages is not None,
-        HAS_POS=pos is not None, num_warps=_num_warps or NUM_WARPS,
+        HAS_POS=pos is not None, num_warps=launch.num_warps or launch.num_warps_bytes,
     )
     return out

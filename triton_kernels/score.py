@@ -1,4 +1,6 @@
 """Quest page scores: the upper bound `sum_i max(q_i * min_i, q_i * max_i)` of q.k over a page (arXiv 2406.10774)."""
+from dataclasses import dataclass
+
 import torch
 
 from ._common import check_query, next_pow2, require_triton, tl, triton
@@ -95,10 +97,17 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     return s.reshape(B, H * G, P)
 
 
-# Pages per program: a 32 x 128 fp16 tile of kmin plus one of kmax is 16 KB in flight per program; 32K tokens
-# x 32 KV heads give ~2000 programs. Picked on an H200 among 32..128 pages x 2..8 warps (NOTES-kernels.md).
-BLOCK_P = 32
-NUM_WARPS = 4
+@dataclass(frozen=True)
+class ScoreLaunch:
+    """How `score_pages` launches. block_p pages per program: a 32 x 128 fp16 tile of kmin plus one of kmax is 16 KB
+    in flight per program; 32K tokens x 32 KV heads give ~2000 programs. Picked on an H200 among 32..128 pages x
+    2..8 warps (benchmarks/kernels/NOTES.md)."""
+
+    block_p: int = 32
+    num_warps: int = 4
+
+
+SCORE_LAUNCH = ScoreLaunch()
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
@@ -178,7 +187,7 @@ def _score_pages_kernel(
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                pos=None, window: int = 0, rows=None):
+                pos=None, window: int = 0, rows=None, *, launch: ScoreLaunch = SCORE_LAUNCH):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
@@ -189,7 +198,7 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     _check_pos(pos, q.device, window, window_start)
     check_rows(rows, B, P, q.device)
     out = torch.empty(B, H * G if reduce == "none" else H, P, dtype=torch.float32, device=q.device)
-    grid = (B * H, triton.cdiv(P, BLOCK_P))
+    grid = (B * H, triton.cdiv(P, launch.block_p))
     _score_pages_kernel[grid](
         q, kmin, kmax, out, pos if pos is not None else out, rows if rows is not None else out,
         q.stride(0), q.stride(1), q.stride(2),
@@ -197,8 +206,8 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
         out.stride(0), out.stride(1), out.stride(2), rows.stride(0) if rows is not None else 0,
         H, P, window_start // page_size, page_size, window,
-        G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=BLOCK_P, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
+        G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         HAS_ROWS=rows is not None,
-        num_warps=NUM_WARPS,
+        num_warps=launch.num_warps,
     )
     return out

@@ -1,4 +1,6 @@
 """Decode attention over the chosen pages only (exact softmax over exactly their valid tokens)."""
+from dataclasses import dataclass
+
 import torch
 
 from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
@@ -78,20 +80,30 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     return out.reshape(B, H * G, D).to(q.dtype)
 
 
-# Tokens per inner step (2 pages of 16): a 32 x 128 fp16 K tile and V tile are 16 KB in flight. Picked on an
-# H200 among 32..128 tokens, 2..8 warps, 2..8 programs per SM (NOTES-kernels.md).
-BLOCK_N = 32
-NUM_WARPS = 4
-# Software-pipelining depth of the K/V tile loads: 3 beat 1, 2 and 4 on the H200 (2 with 64-token tiles won at
-# MHA and lost at GQA; benchmarks/kernels_round6/r6_tune_stages.json).
-NUM_STAGES = 3
-# Programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM latency.
-PROGRAMS_PER_SM = 4
-# With at most this many splits per row, the last split of each KV head to finish merges the partials (atomic
-# ticket, one zeroed int32 per row) instead of a second launch. On an H200 this won at llama2 B=8 (3 splits:
-# 74 vs 91 us) and lost at B=1 (17 splits: 20.9 vs 19.7 us; llama3, 64 splits: 18.3 vs 10.1 us), where the
-# one merging program serialises over many splits (benchmarks/NOTES-kernels.md).
-FUSE_MERGE_MAX_SPLITS = 4
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How `sparse_decode_attention` launches; the defaults were picked on an H200 (benchmarks/kernels/NOTES.md).
+
+    block_n: tokens per inner step (2 pages of 16): a 32 x 128 fp16 K tile and V tile are 16 KB in flight; picked
+        among 32..128 tokens, 2..8 warps, 2..8 programs per SM, with num_warps.
+    num_stages: software-pipelining depth of the K/V tile loads: 3 beat 1, 2 and 4 (2 with 64-token tiles won at
+        MHA and lost at GQA; benchmarks/kernels/round6/r6_tune_stages.json).
+    programs_per_sm: programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM
+        latency.
+    fuse_merge_max_splits: with at most this many splits per row, the last split of each KV head to finish merges
+        the partials (atomic ticket, one zeroed int32 per row) instead of a second launch. This won at llama2 B=8
+        (3 splits: 74 vs 91 us) and lost at B=1 (17 splits: 20.9 vs 19.7 us; llama3, 64 splits: 18.3 vs 10.1 us),
+        where the one merging program serialises over many splits.
+    """
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+    fuse_merge_max_splits: int = 4
+
+
+ATTENTION_LAUNCH = AttentionLaunch()
 LOG2E = 1.4426950408889634
 
 
@@ -282,24 +294,25 @@ def _sparse_attn_merge_kernel(
                stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, "", USE_SINKS)
 
 
-def _num_splits(device, rows: int, n_ids: int, page_size: int) -> tuple[int, int]:
-    """Split each row's page list so that about PROGRAMS_PER_SM programs run per SM; return (splits, ids each)."""
-    ids_per_step = max(1, BLOCK_N // page_size)
+def _num_splits(device, rows: int, n_ids: int, page_size: int, launch: AttentionLaunch) -> tuple[int, int]:
+    """Split each row's page list so that about `programs_per_sm` programs run per SM; (splits, ids each)."""
+    ids_per_step = max(1, launch.block_n // page_size)
     steps = max(1, triton.cdiv(n_ids, ids_per_step))
-    splits = max(1, min(steps, triton.cdiv(PROGRAMS_PER_SM * num_sms(device), rows)))
+    splits = max(1, min(steps, triton.cdiv(launch.programs_per_sm * num_sms(device), rows)))
     ids_each = triton.cdiv(steps, splits) * ids_per_step
     return max(1, triton.cdiv(max(n_ids, 1), ids_each)), ids_each
 
 
 def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
                             scale: float, window_start: int = 0, pos=None, window: int = 0,
-                            softcap: float = 0.0, sinks=None, rows=None):
+                            softcap: float = 0.0, sinks=None, rows=None, *,
+                            launch: AttentionLaunch = ATTENTION_LAUNCH):
     """Triton twin of `sparse_decode_attention_ref` (flash-decoding over the chosen pages).
 
     q `[B, H_q, D]`; k_cache/v_cache `[B, H_kv, C, D]` (any strides, unit stride on D is fastest);
     page_ids int32 `[B, H_kv, K]`, -1 ignored wherever it sits; valid bool `[B, C]`. Returns a fresh
     `[B, H_q, D]` in q's dtype. Workspace: fp32 partials of `B * H_q * splits * (D + 2)` floats per call and,
-    with few splits (FUSE_MERGE_MAX_SPLITS), `B * H_kv` int32 tickets (zeroed). `softcap` and `sinks` as in the
+    with few splits (`launch.fuse_merge_max_splits`), `B * H_kv` int32 tickets (zeroed). `softcap` and `sinks` as in the
     reference (constexpr flags USE_SOFTCAP / USE_SINKS: without them the kernel is the plain one).
     """
     require_triton()
@@ -307,12 +320,12 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
                         softcap, sinks)
     check_rows(rows, B, k_cache.shape[2] // page_size, q.device)
     K = page_ids.shape[2]
-    splits, ids_each = _num_splits(q.device, B * H, K, page_size)
+    splits, ids_each = _num_splits(q.device, B * H, K, page_size, launch)
     m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H * G, splits, D, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H * G, D, dtype=q.dtype, device=q.device)
-    fuse = splits <= FUSE_MERGE_MAX_SPLITS
+    fuse = splits <= launch.fuse_merge_max_splits
     cnt = torch.zeros(B * H, dtype=torch.int32, device=q.device) if fuse else m_part
     valid_u8 = valid.view(torch.uint8)
     block_d = max(16, next_pow2(D))
@@ -329,13 +342,13 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         scale / softcap if softcap else scale * LOG2E, pos if window else valid_u8,
         softcap * LOG2E, sinks if sinks is not None else m_part, rows if rows is not None else page_ids,
         rows.stride(0) if rows is not None else 0,
-        G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N,
+        G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=launch.block_n,
         # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         FUSE_MERGE=fuse, BLOCK_S=block_s, HAS_WINDOW_POS=window > 0,
         USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, HAS_ROWS=rows is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if not fuse:
         _sparse_attn_merge_kernel[(B * H * G,)](

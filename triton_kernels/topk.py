@@ -1,4 +1,6 @@
 """Top-K page ids per score row, with the union over the query heads of a KV group."""
+from dataclasses import dataclass
+
 import torch
 
 from ._common import next_pow2, require_triton, tl, triton
@@ -39,18 +41,31 @@ def topk_pages_ref(scores, k: int, group: int = 1, mask_rest: bool = False):
     return torch.where(out < P, out, -1).to(torch.int32)
 
 
-# A group's [G, P] scores stay in registers up to this many keys (P = 2053 capacity pages at 32K + 128 new
-# tokens is one 4096-wide tile; a union of 4 rows at 128K is 4 x 8192); longer rows loop over tiles
-# re-read from L1/L2 on every pass.
-MAX_TILE = 32768
-# Sets num_warps (at most MAX_WARPS): on an H200, 16 keys a thread (4 warps at P = 2048, 8 at 4096) beat 1-2
-# warps by 1.2-3.8x and tied 8 warps at 2048 (benchmarks/kernels_round3/topk_log.txt).
-KEYS_PER_THREAD = 16
-MAX_WARPS = 8
-# Unions of group > 1 rows in two launches: each row's threshold by its own program (G times the programs of
-# one program per group), then one program per group writes the union. SPLIT_UNION = False: one launch.
-SPLIT_UNION = True
-BIG_TILE_WARPS = 16  # tiles over 16384 keys: 16 warps in one tile beat 8 warps over 4 tiles (58 vs 74 us)
+@dataclass(frozen=True)
+class TopKLaunch:
+    """How `topk_pages` launches; the defaults were picked on an H200 (benchmarks/kernels/NOTES.md).
+
+    max_tile: a group's [G, P] scores stay in registers up to this many keys (P = 2053 capacity pages at 32K +
+        128 new tokens is one 4096-wide tile; a union of 4 rows at 128K is 4 x 8192); longer rows loop over
+        tiles re-read from L1/L2 on every pass.
+    keys_per_thread / max_warps: set num_warps: 16 keys a thread (4 warps at P = 2048, 8 at 4096) beat 1-2 warps
+        by 1.2-3.8x and tied 8 warps at 2048 (benchmarks/kernels/round3/topk_log.txt).
+    big_tile_warps: tiles over 16384 keys: 16 warps in one tile beat 8 warps over 4 tiles (58 vs 74 us).
+    split_union: unions of group > 1 rows in two launches (each row's threshold by its own program, then one
+        program per group writes the union); False: one launch.
+    block_p / num_warps: force the one-launch kernel's tile width / warps (benchmarks; None: derived).
+    """
+
+    max_tile: int = 32768
+    keys_per_thread: int = 16
+    max_warps: int = 8
+    big_tile_warps: int = 16
+    split_union: bool = True
+    block_p: int | None = None
+    num_warps: int | None = None
+
+
+TOPK_LAUNCH = TopKLaunch()
 # -inf pages are never chosen; INT_MIN is no real key (it would be a NaN) and marks lanes past P.
 NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
 INT_MIN = tl.constexpr(-2147483648)
@@ -260,60 +275,59 @@ def _topk_union_kernel(
                 stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False)
 
 
-def launch_config(P: int, group: int):
+def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
     g_pad = next_pow2(group)
     block_p = max(16, next_pow2(P))
-    single = g_pad * block_p <= MAX_TILE
+    single = g_pad * block_p <= launch.max_tile
     if not single:
-        block_p = max(16, MAX_TILE // g_pad)
+        block_p = max(16, launch.max_tile // g_pad)
     keys = g_pad * block_p
-    warps = BIG_TILE_WARPS if keys > 16384 else max(1, min(MAX_WARPS, keys // (32 * KEYS_PER_THREAD)))
+    warps = launch.big_tile_warps if keys > 16384 else max(1, min(launch.max_warps,
+                                                                    keys // (32 * launch.keys_per_thread)))
     return block_p, warps, single
 
 
-def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, _num_warps: int | None = None,
-               _block_p: int | None = None):
+def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launch: TopKLaunch = TOPK_LAUNCH):
     """Triton twin of `topk_pages_ref`.
 
     scores fp32 `[B, R, P]` (any strides; NaN-free). Returns a fresh int32 `[B, R // group, min(group * k, P)]`.
     Ties at the k-th score go to the lowest page ids. No torch.topk: one program per (b, group) finds the k-th
     largest score of each of its rows together, by a radix search on the fp32 bit pattern that starts at the
     bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
-    Unions (group > 1, `SPLIT_UNION`) take two launches instead: a program per row finds its threshold, then a
-    program per group writes the union (same ids). `_num_warps` / `_block_p` override the launch configuration
-    of the one-launch kernel (benchmarks only).
+    Unions (group > 1, `launch.split_union`) take two launches instead: a program per row finds its threshold,
+    then a program per group writes the union (same ids). `launch`: a `TopKLaunch` (benchmarks and tests vary it).
     """
     require_triton()
     B, R, P, K_out = _check(scores, k, group)
     out = torch.empty(B, R // group, K_out, dtype=torch.int32, device=scores.device)
-    if group > 1 and SPLIT_UNION and not mask_rest and _num_warps is None and _block_p is None:
-        _split_union(scores, out, k, group)
+    if group > 1 and launch.split_union and not mask_rest and launch.num_warps is None and launch.block_p is None:
+        _split_union(scores, out, k, group, launch)
         return out
-    block_p, warps, single = launch_config(P, group)
-    if _block_p is not None:
-        block_p, single = _block_p, _block_p >= P
+    block_p, warps, single = launch_config(P, group, launch)
+    if launch.block_p is not None:
+        block_p, single = launch.block_p, launch.block_p >= P
     _topk_pages_kernel[(B * (R // group),)](
         scores, out,
         scores.stride(0), scores.stride(1), scores.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        num_warps=_num_warps or warps,
+        num_warps=launch.num_warps or warps,
     )
     return out
 
 
-def _split_union(scores, out, k, group):
+def _split_union(scores, out, k, group, launch):
     B, R, P = scores.shape
     thr = torch.empty(B * R, dtype=torch.int32, device=scores.device)
     need = torch.empty_like(thr)
-    block_p, warps, single = launch_config(P, 1)
+    block_p, warps, single = launch_config(P, 1, launch)
     _topk_thresholds_kernel[(B * R,)](
         scores, thr, need, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
         BLOCK_P=block_p, SINGLE_TILE=single, num_warps=warps,
     )
-    block_p, warps, single = launch_config(P, group)
+    block_p, warps, single = launch_config(P, group, launch)
     _topk_union_kernel[(B * (R // group),)](
         scores, thr, need, out,
         scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),

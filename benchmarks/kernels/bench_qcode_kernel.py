@@ -19,6 +19,7 @@ measured time (1.0 = at copy speed). Writes bench_qcode_kernel.json and .md into
 results/bench_qcode_kernel/; round 3's are in benchmarks/kernels/round3/).
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -136,15 +137,18 @@ def run_shape(shape, L, args, bw, rows):
             ref = tk.code_scores_ref(qs[0], keys, kmin, kmax, codes, valid, L, S, 0, bits, mode, scale)
             configs = [(None, None, None)]
             if bits == 2 and mode == "max" and not args.no_sweep:
-                configs += [c for c in SWEEP if c != (key_codes.VARIANT, None, key_codes.WORDS_NUM_WARPS)]
+                default = key_codes.CODE_SCORE_LAUNCH
+                configs += [c for c in SWEEP if c != (default.variant, None, default.num_warps_words)]
             for var, bp, nw in configs:
-                kw = dict(_variant=var, _block_p=bp, _num_warps=nw)
-                var = var or key_codes.VARIANT
+                is_default = var is None
+                d = key_codes.CODE_SCORE_LAUNCH
+                kw = dict(launch=key_codes.CodeScoreLaunch(variant=var or d.variant, block_p=bp, num_warps=nw))
+                var = var or d.variant
                 if var == "words":
-                    nw = nw or key_codes.WORDS_NUM_WARPS
+                    nw = nw or d.num_warps_words
                     bp = bp or max(1, nw * 32 // (D * bits // 64))
                 else:
-                    nw, bp = nw or key_codes.NUM_WARPS, bp or key_codes.BLOCK_P
+                    nw, bp = nw or d.num_warps_bytes, bp or d.block_p_bytes
                 mine = tk.code_scores(qs[0], keys, kmin, kmax, codes, valid, L, S, 0, bits, mode, scale, **kw)
                 ok, diff, mag = compare(mine, ref)
                 t = time_graphs([partial(tk.code_scores, qs[i], keys, sets[i][1], sets[i][2], sets[i][0], valid,
@@ -152,7 +156,7 @@ def run_shape(shape, L, args, bw, rows):
                                  for i in range(n_sets)], args.warmup, args.iters)
                 rows.append(dict(
                     shape=shape, L=L, bits=bits, mode=mode, variant=var, block_p=bp, num_warps=nw,
-                    default=kw["_variant"] is None, code_us=t, quest_us=t_quest,
+                    default=is_default, code_us=t, quest_us=t_quest,
                     ratio_to_quest=t / t_quest, bytes=nbytes, GBps=nbytes / (t * 1e-6) / 1e9,
                     frac_of_copy_bw=nbytes / bw / (t * 1e-6), quest_frac_of_copy_bw=quest_bytes / bw / (t_quest * 1e-6),
                     ok=ok, max_abs_diff=diff, max_abs_ref=mag, n_input_sets=n_sets,
@@ -205,8 +209,7 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (--tiny)"
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device, torch=torch.__version__,
                 copy_bandwidth_GBps=bw / 1e9, page=PAGE, dtype="float16", B=1,
-                defaults=dict(variant=key_codes.VARIANT, words_num_warps=key_codes.WORDS_NUM_WARPS,
-                              bytes_block_p=key_codes.BLOCK_P, bytes_num_warps=key_codes.NUM_WARPS), iters=args.iters,
+                defaults=dataclasses.asdict(key_codes.CODE_SCORE_LAUNCH), iters=args.iters,
                 command="python " + " ".join(sys.argv))
     meta["triton"] = triton.__version__
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)\n{HEADER}", flush=True)

@@ -57,24 +57,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--other", help="a file defining topk_pages(scores, k, group) to time beside the repo's")
     ap.add_argument("--configs", nargs="*", default=[],
-                    help="module settings to try as well, e.g. KEYS_PER_THREAD=32,MAX_TILE=32768,MAX_WARPS=16")
+                    help="TopKLaunch settings to try as well, e.g. keys_per_thread=32,max_tile=32768,max_warps=16")
     ap.add_argument("--out", default=None, help="output folder (default results/bench_topk/)")
     args = ap.parse_args(argv)
     impls = {"repo": tk.topk_pages}
-    defaults = {n: getattr(topk_mod, n) for n in ("KEYS_PER_THREAD", "MAX_TILE", "MAX_WARPS")}
-    for cfg in args.configs:
-        settings = {**defaults, **{kv.split("=")[0]: int(kv.split("=")[1]) for kv in cfg.split(",")}}
-
-        def run(s, k, g, settings=settings):
-            for n, v in settings.items():
-                setattr(topk_mod, n, v)
-            try:
-                return tk.topk_pages(s, k, g)
-            finally:
-                for n, v in defaults.items():
-                    setattr(topk_mod, n, v)
-
-        impls[cfg] = run
+    for cfg in args.configs:  # TopKLaunch fields, e.g. keys_per_thread=32,max_tile=32768
+        launch = topk_mod.TopKLaunch(**{kv.split("=")[0].lower(): int(kv.split("=")[1]) for kv in cfg.split(",")})
+        impls[cfg] = partial(tk.topk_pages, launch=launch)
     if args.other:
         spec = importlib.util.spec_from_file_location("other_topk", args.other)
         mod = importlib.util.module_from_spec(spec)
