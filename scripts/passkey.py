@@ -65,12 +65,11 @@ def parse_args(argv=None):
 
 def use_candidates(n: int) -> None:
     """Re-register the two-stage selectors with `n` candidate pages per chosen page (bytes accounted to match)."""
-    from quest_hf.eval import accounting
-    from quest_hf.selectors import TwoStageCodeSelector, register_selector
+    from quest_hf.selectors import SELECTORS, TwoStageCodeSelector, register_selector
 
-    for name, (bits, _) in list(accounting.TWO_STAGE.items()):
-        register_selector(name, TwoStageCodeSelector(bits=bits, candidates=n))
-        accounting.TWO_STAGE[name] = (bits, n)
+    for name, sel in list(SELECTORS.items()):  # bytes follow: accounting asks each selector for its own
+        if isinstance(sel, TwoStageCodeSelector):
+            register_selector(name, TwoStageCodeSelector(bits=sel.bits, candidates=n))
 
 
 def run(args, on_case=None):

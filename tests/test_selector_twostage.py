@@ -190,3 +190,27 @@ def test_triton_backend_runs_the_listed_kernel_and_equals_torch(single_thread, m
     assert torch.equal(out["torch"].sequences, out["triton"].sequences)
     for a, b in zip(out["torch"].scores, out["triton"].scores):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
+
+
+def test_bytes_per_step_come_from_the_registered_selector():
+    # Accounting asks the policy's selector (no second table of policy facts): re-registering the two-stage
+    # selector with fewer candidates (scripts/passkey.py --candidates) lowers its bytes by exactly their codes.
+    from quest_hf.eval.accounting import step_bytes
+    from quest_hf.selectors import register_selector
+
+    L, H, D, elt, S, budget, group, pages = 8192, 3, 64, 2, 32, 128, 3, 12.0
+    meta = -(-L // S) * H * 2 * D * elt
+    kv = pages * S * 2 * D * elt
+
+    def codes(cand):  # 1-bit codes of at most group x candidates x budget tokens per KV head
+        return -(-min(-(-L // S), group * cand * (budget // S)) * S * D // 8) * H
+
+    assert step_bytes("qcode1_2s", L, H, D, elt, S, pages, budget, group) == meta + codes(8) + kv
+    original = SELECTORS["qcode1_2s"]
+    try:
+        register_selector("qcode1_2s", TwoStageCodeSelector(bits=1, candidates=4))
+        assert step_bytes("qcode1_2s", L, H, D, elt, S, pages, budget, group) == meta + codes(4) + kv
+    finally:
+        register_selector("qcode1_2s", original)
+    assert step_bytes("quest", L, H, D, elt, S, pages, budget, group) == meta + kv
+    assert step_bytes("quest", 100, H, D, elt, S, pages, budget, group) == 100 * H * 2 * D * elt  # fits: dense

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import math
 
-# Bits per key channel and token of the "qcode" selectors (quest_hf/selectors/codes.py): bits, not bytes of the
-# cache dtype, so their share of the bytes is smaller in fp32 than in fp16.
-CODE_BITS = {"qcode": 2, "qcode_topp": 2, "qcode1": 1, "qcode1_topp": 1}
-# Two-stage selectors: (bits, candidates): codes are read for at most `group * candidates * budget` tokens.
-TWO_STAGE = {"qcode2s": (2, 8), "qcode1_2s": (1, 8)}
+from ..selectors import selector_for
 
 
 def dense_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int) -> int:
@@ -25,25 +21,10 @@ def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int
     (scored exactly) + the chosen pages' K and V. oracle: every key + the values of at most `group * budget`
     tokens per KV head. dense: all K/V.
     """
-    page = page_size * 2 * head_dim * elt
     if policy == "dense" or seq_len <= budget:
         return dense_bytes(seq_len, kv_heads, head_dim, elt)
-    if policy == "quest":
-        return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + pages_read * page
-    if policy in CODE_BITS:  # quest's min/max + every token's codes + the exact current page + chosen K/V
-        codes = math.ceil(seq_len * head_dim * CODE_BITS[policy] / 8) * kv_heads
-        current = kv_heads * page_size * head_dim * elt
-        return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + codes + current + pages_read * page
-    if policy in TWO_STAGE:  # quest's min/max + the candidates' codes (an upper bound: group x candidates) + K/V
-        bits, cand = TWO_STAGE[policy]
-        tokens = min(math.ceil(seq_len / page_size), group * cand * max(1, budget // page_size)) * page_size
-        codes = math.ceil(tokens * head_dim * bits / 8) * kv_heads
-        return math.ceil(seq_len / page_size) * kv_heads * 2 * head_dim * elt + codes + pages_read * page
-    if policy == "streaming":
-        return pages_read * page
-    if policy == "oracle":
-        return seq_len * kv_heads * head_dim * elt + kv_heads * min(seq_len, group * budget) * head_dim * elt
-    raise ValueError(f"unknown policy {policy!r}")
+    # The policy's own account (quest_hf/selectors/: `Selector.bytes_per_step`), registered selectors included.
+    return selector_for(policy).bytes_per_step(seq_len, kv_heads, head_dim, elt, page_size, pages_read, budget, group)
 
 
 def layer_step_bytes(config, layer_idx: int, seq_len: int, kv_heads: int, head_dim: int, elt: int, group: int = 1,
