@@ -124,7 +124,7 @@ def test_find_token_positions_locates_the_passkey_digits(smollm2):
     pos = find_token_positions(tok, ids, case.key)
     assert tok.decode([ids[i] for i in pos]).replace(" ", "") == case.key * 2  # "{key}. Remember it. {key} is"
     assert 0.3 < pos[0] / len(ids) < 0.7
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="does not occur as whole tokens"):
         find_token_positions(tok, ids, "31415926")
 
 

@@ -269,16 +269,16 @@ def test_patched_model_equals_dense_when_every_page_fits(policy, backend, monkey
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bits must be one of"):
         QCodeSelector(bits=3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="top_p must be in"):
         QCodeSelector(top_p=0.0)
     _, layer = filled_layer(1, 1, 16, 4, (9,), F32)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="codes must be uint8"):
         tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, torch.zeros(1, 1, layer.capacity, 3, dtype=torch.uint8), 0, 2)
     codes = torch.zeros(1, 1, layer.capacity, 4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="variant must be one of"):
         CodeScoreLaunch(variant="x")
-    with pytest.raises(ValueError):  # the kernel reads kmin and kmax with one set of strides
+    with pytest.raises(ValueError, match="kmin and kmax must share strides"):  # one set of strides in the kernel
         tk.code_scores(torch.randn(1, 1, 16), layer.keys, layer.kmin, layer.kmax.transpose(2, 3).contiguous().transpose(2, 3),
                        codes, layer.valid, 9, 4)
