@@ -25,13 +25,13 @@ from tqdm import tqdm
 
 from quest_hf import QuestConfig, patch_model
 from quest_hf.bench import results_dir
-from quest_hf.eval.accounting import dense_bytes, step_bytes
+from quest_hf.eval.accounting import dense_bytes, model_step_bytes, step_bytes
 from quest_hf.eval.decode import prefill
 from quest_hf.eval.passkey import make_case, run_case
 from quest_hf.models import load_model
 
-ORDER = ["dense", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp", "qcode1_topp", "qcode2s",
-         "qcode1_2s"]
+ORDER = ["dense", "calibrated", "quest", "oracle", "streaming", "qcode", "qcode1", "qcode_topp", "qcode1_topp",
+         "qcode2s", "qcode1_2s"]
 DENSE = 1 << 30  # a budget that covers any context: the layer runs exact dense attention
 
 
@@ -42,11 +42,14 @@ def parse_args(argv=None):
     p.add_argument("--depths", type=int, default=5, help="needle depths spread evenly over the context")
     p.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     p.add_argument("--policies", nargs="+", default=["quest", "oracle", "streaming"],
-                   choices=ORDER[1:], help="dense always runs as the reference")
+                   choices=ORDER[2:], help="dense always runs as the reference")
     p.add_argument("--only", nargs="+", default=None, metavar="POLICY:BUDGET",
                    help="run just these policy/budget cells of --policies x --budgets (e.g. quest:512 qcode_topp:64)")
     p.add_argument("--backends", nargs="+", default=["torch"], choices=["torch", "triton", "auto"],
                    help="run quest on several backends side by side (triton on CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--calibrated", default=None, metavar="JSON",
+                   help="also run the per-layer configs of scripts/calibrate.py's JSON (in their flat budget's column)")
+    p.add_argument("--calibrated-budgets", type=int, nargs="+", default=None, help="only these calibrated configs")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--candidates", type=int, default=None,
                    help="two-stage selectors (qcode2s, qcode1_2s): candidate pages per chosen page (registered: 8)")
@@ -92,6 +95,13 @@ def run(args, on_case=None):
     if args.only:
         cells = {(c.split(":")[0], int(c.split(":")[1])) for c in args.only}
         runs = runs[:1] + [r for r in runs[1:] if (r[0], r[2]) in cells]
+    calibrated = {}
+    if args.calibrated:
+        for b, entry in json.loads(Path(args.calibrated).read_text())["configs"].items():
+            if args.calibrated_budgets is None or int(b) in args.calibrated_budgets:
+                fields = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()}
+                calibrated[int(b)] = QuestConfig(**dict(fields, backend="torch"))
+                runs.append(("calibrated", "torch", int(b)))
     depths = [(i + 0.5) / args.depths for i in range(args.depths)]
     rows = []
     bar = tqdm(total=len(lengths) * len(depths) * len(runs), desc="passkey")
@@ -100,19 +110,27 @@ def run(args, on_case=None):
             case = make_case(tok, n, depth, seed=1000 * n + d_i, device=args.device)
             cache, _ = prefill(model, case.prefix)
             for policy, backend, budget in runs:
-                conf = dataclasses.replace(base, budget=budget, backend=backend,
-                                           policy="quest" if policy == "dense" else policy)
+                conf = calibrated[budget] if policy == "calibrated" else dataclasses.replace(
+                    base, budget=budget, backend=backend, policy="quest" if policy == "dense" else policy)
                 run_cache = cache.copy(conf)
-                pages = []
-                run_cache.selection_hooks.append(
-                    lambda i, q, ids, pages=pages: pages.append(int((ids >= 0).sum()) / ids.shape[0]))
+                pages, per_layer = [], {}
+
+                def on_select(i, q, ids, pages=pages, per_layer=per_layer):
+                    pages.append(int((ids >= 0).sum()) / ids.shape[0])
+                    per_layer.setdefault(i, []).append(pages[-1])
+
+                run_cache.selection_hooks.append(on_select)
                 ok, text = run_case(model, tok, case, cache=run_cache)
                 L = case.num_tokens
-                read = step_bytes(policy, L, kv_heads, head_dim, elt, args.page_size,
-                                  sum(pages) / len(pages) if pages else 0.0, budget, group)
+                read = step_bytes(conf.policy if policy == "calibrated" else policy, L, kv_heads, head_dim, elt,
+                                  args.page_size, sum(pages) / len(pages) if pages else 0.0, budget, group)
+                layers = cfg.num_hidden_layers
+                model_read = model_step_bytes(conf, layers, L, kv_heads, head_dim, elt, group,
+                                              {i: sum(v) / len(v) for i, v in per_layer.items()})
                 rows.append(dict(length=n, tokens=L, depth=round(depth, 3), policy=policy, backend=backend,
                                  budget=None if policy == "dense" else budget, correct=ok, answer=text.strip(),
-                                 key=case.key, bytes_frac=read / dense_bytes(L, kv_heads, head_dim, elt)))
+                                 key=case.key, bytes_frac=read / dense_bytes(L, kv_heads, head_dim, elt),
+                                 model_bytes_frac=model_read / (layers * dense_bytes(L, kv_heads, head_dim, elt))))
                 bar.update()
             if on_case is not None:
                 on_case(rows, lengths)  # results so far survive an interrupted run
@@ -125,7 +143,8 @@ def table(rows, lengths, budgets) -> str:
     out = []
     for n in lengths:
         sub = [r for r in rows if r["length"] == n]
-        out.append(f"\n### {n} tokens (accuracy; mean fraction of dense KV bytes read per step in a sparse layer)\n")
+        out.append(f"\n### {n} tokens (accuracy; fraction of dense KV bytes read per decode step, mean over cases: "
+                   "in a sparse layer / over all layers)\n")
         out.append("| policy | backend | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|---|" + "---|" * len(budgets))
         keys = sorted({(r["policy"], r["backend"]) for r in sub},
@@ -139,7 +158,8 @@ def table(rows, lengths, budgets) -> str:
                     continue
                 acc = sum(r["correct"] for r in rs)
                 frac = sum(r["bytes_frac"] for r in rs) / len(rs)
-                cells.append(f"{acc}/{len(rs)} ({frac:.2f})")
+                whole = sum(r.get("model_bytes_frac", float("nan")) for r in rs) / len(rs)
+                cells.append(f"{acc}/{len(rs)} ({frac:.2f} / {whole:.2f})")
                 if rs[0]["budget"] is None:  # dense has no budget: one figure, not one per column
                     cells[-1] += ", any budget"
                     cells += [""] * (len(budgets) - 1)
