@@ -190,7 +190,7 @@ def main(argv=None):
                     same = None
                     replay = replay_ms(model, ids, args.new_tokens, device) if (
                         graph and err is None and device.type == "cuda") else None
-                    growing = "quest" + full[len(method):]  # the same policy on the growing cache
+                    growing = "quest" + full[len(method):]  # the same policy, uncaptured (cuda_graph=False)
                     first_diff = None
                     if graph and out is not None and tokens.get((growing, budget)) is not None:
                         ref = tokens[(growing, budget)]

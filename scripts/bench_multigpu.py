@@ -55,7 +55,7 @@ def main():
     device_map |= {f"model.layers.{i}": i * n_gpu // layers for i in range(layers)}
     device_map |= {"model.norm": n_gpu - 1, "lm_head": n_gpu - 1}
     model = dispatch_model(model, device_map=device_map)
-    patch_model(model, budget=a.budget)  # "auto": a model over several GPUs keeps the growing cache
+    patch_model(model, budget=a.budget)  # "auto": a model over several GPUs runs the uncaptured step
     run(model, ids[:, :1024], 4)
     multi, multi_ms, cache = run(model, ids, a.new_tokens)
     rows["device_map"] = dict(step_ms=multi_ms, backends=sorted(cache.backends), gpus=n_gpu,

@@ -105,15 +105,22 @@ def tiny_family_model(model_type: str, layers: int = 4, heads: int = 4, kv_heads
 
 
 def left_padded(vocab: int = 97, lengths=(40, 33), seed: int = 1):
-    """(input_ids, attention_mask) of a left-padded batch with ragged lengths."""
-    g = torch.Generator().manual_seed(seed)
-    T = max(lengths)
-    ids = torch.randint(2, vocab, (len(lengths), T), generator=g)
-    mask = torch.zeros(len(lengths), T, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        mask[b, T - n:] = 1
-        ids[b, : T - n] = 0
-    return ids, mask
+    """(input_ids, attention_mask) of a left-padded batch with ragged lengths (conftest's, shorter by default)."""
+    from .conftest import left_padded_batch
+
+    return left_padded_batch(vocab, lengths, seed)
+
+
+def tiny_mla_model():
+    """A tiny DeepSeek-V3 (latent attention, MLA): a design Quest refuses."""
+    import transformers as tf
+
+    cfg = tf.DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                              pad_token_id=0)
+    return tf.DeepseekV3ForCausalLM(cfg)
 
 
 REFERENCE_NAME = "quest_keep_reference"  # no "sdpa"/"flash"/"paged": transformers matches those specially

@@ -6,7 +6,14 @@ import torch
 import transformers as tf
 
 from quest_hf.families import LayerAttention, check_supported, describe, summary
-from tests.family_models import FAMILIES, left_padded, masked_reference_logits, missing_reason, tiny_family_model
+from tests.family_models import (
+    FAMILIES,
+    left_padded,
+    masked_reference_logits,
+    missing_reason,
+    tiny_family_model,
+    tiny_mla_model,
+)
 
 # How each family's decoder hands masks to its layers, as read in its modeling file (an independent statement of
 # what families._mask_kinds infers from the decoder's source): by config.layer_types, one sliding mask for all
@@ -168,13 +175,8 @@ def test_refuses_encoder_decoder():
 
 
 def test_refuses_latent_attention():
-    cfg = tf.DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                              pad_token_id=0)
     with pytest.raises(ValueError, match=r"latent attention \(MLA"):
-        check_supported(tf.DeepseekV3ForCausalLM(cfg))
+        check_supported(tiny_mla_model())
 
 
 def _lfm2():

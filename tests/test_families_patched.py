@@ -13,7 +13,14 @@ import transformers as tf
 import quest_hf
 from quest_hf import QuestCache, describe_patch, layer_plan, patch_model, patched, unpatch_model
 from quest_hf.patch import cache_arg_name
-from tests.family_models import FAMILIES, left_padded, masked_reference_logits, missing_reason, tiny_family_model
+from tests.family_models import (
+    FAMILIES,
+    left_padded,
+    masked_reference_logits,
+    missing_reason,
+    tiny_family_model,
+    tiny_mla_model,
+)
 
 LENGTHS = (40, 33)  # left-padded, past every tiny window (8, 16)
 NEW = 6  # decode steps
@@ -194,13 +201,8 @@ def test_patch_refuses_hybrid_models_with_the_reason():
 
 
 def test_patch_refuses_latent_attention_and_encoder_decoder():
-    cfg = tf.DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                              kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                              pad_token_id=0)
     with pytest.raises(ValueError, match=r"latent attention \(MLA"):
-        patch_model(tf.DeepseekV3ForCausalLM(cfg), budget=8, page_size=4)
+        patch_model(tiny_mla_model(), budget=8, page_size=4)
     t5 = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=1,
                                                    num_heads=4))
     with pytest.raises(ValueError, match="encoder-decoder"):
