@@ -1,8 +1,9 @@
-"""Triton launchers vs their PyTorch reference twins (CPU, TRITON_INTERPRET=1, small odd sizes)."""
+"""Triton launchers vs their PyTorch reference twins (small odd sizes; CPU: TRITON_INTERPRET=1, set by conftest).
+
+The interpreter is never switched on here: pytest imports this module even when `-m gpu` deselects it, and on a
+GPU machine that would put every later Triton compile (torch.compile's kernels too) under the interpreter."""
 import dataclasses
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
 import pytest
 import torch

@@ -14,6 +14,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEV = "cuda"
 
 
+def test_kernels_are_compiled_not_interpreted():
+    # A test module that switched the interpreter on at import would put every later Triton compile under it,
+    # torch.compile's kernels included, and the captured-vs-eager comparisons below would compare other code.
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def _layer(B, H, D, L, C, S=16, dtype=torch.float16, seed=0):
     """Paged storage of L random tokens in a capacity of C slots (empty pages +-inf, invalid slots False)."""
     g = torch.Generator(DEV).manual_seed(seed)
@@ -103,6 +111,9 @@ def test_captured_step_gives_the_eager_steps_tokens(models, family, kw):
     (eager, c_e, seen_e, _), (capt, c_c, seen_c, (captures, replays)) = results[False], results["auto"]
     assert c_e.decode_path == "eager: cuda_graph=False" and c_c.decode_path == "captured"
     assert captures == 1 and replays >= 20  # step 1 eager, step 2 captured, then replays
+    # Both runs compiled the same modules (a failed compile runs eagerly in one mode only: other rounding).
+    compiled = model._quest_state.compiled
+    assert compiled is not None and compiled.modules and not compiled.failed, compiled.failed
     assert torch.equal(eager.sequences, capt.sequences)
     for a, b in zip(eager.scores, capt.scores):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
