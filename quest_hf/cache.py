@@ -8,6 +8,9 @@ information (which new tokens are padding) handed from the model's forward to th
     kmin, kmax    [B, H_kv, (C + S) // S, D] element-wise min/max of each page's valid keys (+inf/-inf: empty)
     valid         [B, C + S] bool            False for padding and unwritten slots
     pos           int64 scalar on the device  the write position (= seq_len, the host mirror)
+    kmin8, kmax8  [B, H_kv, (C + S) // S, D] int8, with kscale fp32 [B, H_kv, (C + S) // S]: QuestConfig(bounds=
+                  "int8")'s 8-bit bounds (triton_kernels/bounds8.py), requantized from kmin/kmax after each
+                  append (the written page only on a decode step); None under bounds="key_dtype"
 
 `C` (`layer.max_tokens`; `layer.capacity` is `C + S`) is what `generate()` will need (prompt + new tokens)
 or, for a cache driven by hand, what it has seen so far plus one growth step; a sequence that outgrows it is
@@ -85,6 +88,11 @@ class QuestLayer(CacheLayerMixin):
         self.rows: torch.Tensor | None = None
         self.side: dict[str, torch.Tensor] = {}
         self.side_state: dict = {}
+        self.kmin8 = self.kmax8 = self.kscale = None
+        # Selection reuse (QuestConfig.reselect_every > 1), on the device: "step" (decode steps since the stored
+        # selection was chosen; 0: choose at the next step), "ids" (that selection, [B, H_kv, K]), "since" (the
+        # position it was chosen at). Reordered with beams; zeroed in place by growth, crop and reset.
+        self.reuse: dict[str, torch.Tensor] = {}
         self.ops: Ops | None = None
         self.allocations = 0  # counts buffer moves: a captured step holds the addresses of the last one
         self._dense_ids: torch.Tensor | None = None
@@ -155,7 +163,14 @@ class QuestLayer(CacheLayerMixin):
                 grown = t.new_zeros(t.shape[0], t.shape[1], cap, *t.shape[3:])
                 grown[:, :, :n] = t[:, :, :n]
                 self.side[name] = grown
+        bounds8 = tk.bounds8.empty_bounds8(B, H, cap // S, D, dev) if self.config.bounds == "int8" else None
+        if bounds8 is not None and self.kmin8 is not None:
+            p = -(-self.seq_len // S)
+            for new, old in zip(bounds8, (self.kmin8, self.kmax8, self.kscale)):
+                new[:, :, :p] = old[:, :, :p]
+        self.kmin8, self.kmax8, self.kscale = bounds8 or (None, None, None)
         self.keys, self.values, self.kmin, self.kmax, self.valid = keys, values, kmin, kmax, valid
+        self.reselect()  # the stored selection names the old spare page, now an ordinary one
         self._dense_ids = None
         self.allocations += 1
 
@@ -188,6 +203,14 @@ class QuestLayer(CacheLayerMixin):
             self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
                                key_states, value_states, valid_new, start)
             self.pos.fill_(start + T)
+        if self.kmin8 is not None:
+            if T == 1:
+                self.ops.quantize_bounds_at(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, self.pos,
+                                            self.page_size)
+            else:
+                p0 = start // self.page_size
+                self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, p0,
+                                         (start + T - 1) // self.page_size + 1 - p0)
         self.selector.on_append(self, key_states, start, valid_new)
         self.seq_len = start + T
         if T == 1:
@@ -209,6 +232,33 @@ class QuestLayer(CacheLayerMixin):
         ids = first + torch.arange(n, device=self.device)
         cur = torch.div(self.pos - 1, S, rounding_mode="floor")
         return torch.where(ids <= cur, ids, -1).to(torch.int32).expand(B, H, n)
+
+    def sync_bounds(self) -> None:
+        """Make the 8-bit bounds match `config.bounds` (after `QuestCache.copy` under another config): quantize every
+        page from kmin/kmax, or drop them."""
+        if self.config.bounds != "int8":
+            self.kmin8 = self.kmax8 = self.kscale = None
+        elif self.is_initialized and self.kmin8 is None:
+            B, H, P, D = self.kmin.shape
+            self.kmin8, self.kmax8, self.kscale = tk.bounds8.empty_bounds8(B, H, P, D, self.kmin.device)
+            self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, 0, P)
+            self.allocations += 1
+
+    def reuse_due(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Selection reuse: whether this decode step chooses afresh (a device bool, `step % reselect_every == 0`),
+        with the stored selection allocated as int32 `shape` `[B, H_kv, K]` (anew, and due, when the shape changed)."""
+        st = self.reuse
+        if "ids" not in st or tuple(st["ids"].shape) != tuple(shape):
+            dev = self.pos.device
+            st["ids"] = torch.full(shape, -1, dtype=torch.int32, device=dev)
+            st["since"] = torch.zeros((), dtype=torch.long, device=dev)
+            st["step"] = torch.zeros((), dtype=torch.long, device=dev)
+        return st["step"] % self.config.reselect_every == 0
+
+    def reselect(self) -> None:
+        """The next decode step chooses its pages afresh (in place: a captured step holds the counter)."""
+        if "step" in self.reuse:
+            self.reuse["step"].zero_()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0
@@ -234,6 +284,9 @@ class QuestLayer(CacheLayerMixin):
         self.keys = apply(self.keys, (B, H, P, S, D))
         self.values = apply(self.values, (B, H, P, S, self.values.shape[-1]))
         self.kmin, self.kmax = apply(self.kmin, self.kmin.shape), apply(self.kmax, self.kmax.shape)
+        if self.kmin8 is not None:
+            self.kmin8, self.kmax8 = apply(self.kmin8, self.kmin8.shape), apply(self.kmax8, self.kmax8.shape)
+            self.kscale = apply(self.kscale, self.kscale.shape)
         self.valid = apply(self.valid, (B, 1, P, S))
         self.side = {n: apply(t, (B, H, P, S, *t.shape[3:])) for n, t in self.side.items()}
         self.rows = None
@@ -242,9 +295,11 @@ class QuestLayer(CacheLayerMixin):
     def _map(self, fn) -> None:
         self._materialize()
         if self.is_initialized:
-            for name in ("keys", "values", "kmin", "kmax", "valid"):
-                setattr(self, name, fn(getattr(self, name)))
+            for name in ("keys", "values", "kmin", "kmax", "valid", "kmin8", "kmax8", "kscale"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, fn(getattr(self, name)))
             self.side = {name: fn(t) for name, t in self.side.items()}
+            self.reuse = {}  # a new batch: chosen afresh at the next step
             self._shape = (self.keys.shape[0], *self._shape[1:])
             self._dense_ids = None
             self.allocations += 1
@@ -255,6 +310,11 @@ class QuestLayer(CacheLayerMixin):
             self.kmax.fill_(float("-inf"))
             self.valid.zero_()
             self.pos.zero_()
+            if self.kmin8 is not None:
+                self.kmin8.fill_(tk.bounds8.CODE_LO_EMPTY)
+                self.kmax8.fill_(tk.bounds8.CODE_HI_EMPTY)
+                self.kscale.zero_()
+            self.reselect()
             if self.rows is not None:  # in place: a captured step reads this table
                 self.rows.copy_(self._own_rows())
         self.side_state.clear()
@@ -273,6 +333,9 @@ class QuestLayer(CacheLayerMixin):
         self.valid[:, sl] = self.valid[src, sl]
         self.kmin[:, :, page] = self.kmin[src, :, page]
         self.kmax[:, :, page] = self.kmax[src, :, page]
+        if self.kmin8 is not None:
+            for t in (self.kmin8, self.kmax8, self.kscale):
+                t[:, :, page] = t[src, :, page]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence b continues sequence `beam_idx[b]`. With a selector whose kernels read the page
@@ -281,9 +344,12 @@ class QuestLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         beam_idx = beam_idx.to(self.device)
+        if "ids" in self.reuse:  # sequence b continues beam_idx[b], and reuses its stored selection
+            self.reuse["ids"].copy_(self.reuse["ids"].index_select(0, beam_idx))
         if not self.selector.paged_reorder:
             self._materialize()
-            for t in (self.keys, self.values, self.kmin, self.kmax, self.valid, *self.side.values()):
+            bounds8 = (self.kmin8, self.kmax8, self.kscale) if self.kmin8 is not None else ()
+            for t in (self.keys, self.values, self.kmin, self.kmax, self.valid, *bounds8, *self.side.values()):
                 t.copy_(t.index_select(0, beam_idx))
             return
         if self.rows is None:
@@ -333,8 +399,11 @@ class QuestLayer(CacheLayerMixin):
         self.valid[:, start:] = False
         self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
                            keep_k, keep_v, keep_valid, start)
+        if self.kmin8 is not None:  # the boundary page and every emptied one after it
+            self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, start // S, None)
         self.seq_len = new_len
         self.pos.fill_(new_len)
+        self.reselect()
         self.selector.on_crop(self, new_len)
 
 
@@ -394,8 +463,10 @@ class QuestCache(Cache):
             for i, layer in enumerate(new.layers):
                 layer.config = config.for_layer(i)
                 layer.side_state.clear()  # another policy's bookkeeping starts afresh
+                layer.reuse = {}
                 if layer.is_initialized:
                     layer.ops = resolve_backend(config.backend, layer.device)
+                layer.sync_bounds()
         return new
 
     def begin_step(self, attention_mask: torch.Tensor | None, num_new_tokens: int) -> None:

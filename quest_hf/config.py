@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 GQA_MODES = ("union", "max", "sum")
+BOUNDS = ("key_dtype", "int8")
 BACKENDS = ("auto", "torch", "triton")
 MAX_PAGE_SIZE = 256
 
@@ -59,6 +60,26 @@ class QuestConfig:
             The length must equal the model's layer count (checked by `patch_model` / `QuestCache`).
         dense: None (default: the first `dense_layers` decode dense) or the indices of the layers that decode dense,
             overriding `dense_layers` (`dense=()`: none).
+        bounds: how the page min/max that the score reads are stored. `"key_dtype"` (default): in the keys' dtype
+            (4 * head_dim bytes a page and KV head at fp16). `"int8"`: int8 codes on one fp32 scale a page and KV
+            head, min rounded down and max rounded up (triton_kernels/bounds8.py), so the score stays an upper bound
+            of q.k; it reads 2 * head_dim + 4 bytes a page (about half). The exact key-dtype bounds are still kept
+            (the open page is requantized from them after each append), so memory grows by that half.
+        reselect_every: 1 (default): pages are chosen at every decode step. `k > 1` (selection reuse, as in LServe):
+            a sparse layer scores and chooses pages every `k` decode steps and reuses that choice in between, adding
+            the pages started since it was made (no page read twice). The step counter and the stored choice live
+            on the device, so captured steps reuse too; a step that reuses skips the bound reads (the Top-K still
+            runs over a row of forced pages). Growth, crop, reset and batch edits choose afresh at the next step.
+
+        offload: None (default: every page on the layer's device) or `"cpu"`: each sparse layer keeps its K/V pages in
+            page-locked host memory and on the GPU only the page bounds, the current page, a pool of resident pages
+            and the page table; each decode step fetches the chosen pages that are not resident (quest_hf/offload.py:
+            contexts larger than GPU memory). The dense layers stay on the GPU. Policies "quest" and "streaming";
+            no beam search, no attention sinks.
+        offload_pages: resident pages per (sequence, KV head) of each offloaded layer (None: twice what one step can
+            choose, `2 * (budget // page_size + 1)`, times the GQA group under `gqa_mode="union"`). A pool smaller
+            than one step's selection is refused.
+        offload_bytes: or the device bytes of all the offloaded layers' pools together (split evenly; K and V).
 
     Two settings are for tests only (they let the CPU suite run what is CUDA-only): `_compile_devices`, the
     device types whose one-token inputs `compile_decode` compiles, and `_defer_devices`, those where a QuestCache
@@ -77,6 +98,11 @@ class QuestConfig:
     compile_backend: str = "inductor"
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
+    bounds: str = "key_dtype"
+    reselect_every: int = 1
+    offload: str | None = None
+    offload_pages: int | None = None
+    offload_bytes: int | None = None
     _compile_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
     _defer_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
 
@@ -120,6 +146,7 @@ class QuestConfig:
             if b < 2 * ps or (b % ps and not token_budget):
                 raise ValueError(f"layer_budgets[{i}]={b} must be a multiple of page_size={ps} and at least 2 pages "
                                  f"({2 * ps} tokens), as budget must; use {max(2 * ps, b // ps * ps)}")
+        self._check_bounds_and_reuse()
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
         for name in ("compile_decode", "defer_stop_check"):
@@ -131,11 +158,59 @@ class QuestConfig:
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(d, str) for d in value):
                 raise TypeError(f"{name} must be a tuple of device types such as ('cuda',), got {value!r}")
+        self._check_offload()
         from .selectors import captured_policies
 
         if self.cuda_graph is True and self.policy not in captured_policies():
             raise ValueError(f"cuda_graph=True captures the policies {', '.join(captured_policies())}, got "
                              f"policy={self.policy!r} (its scores need host lengths); use cuda_graph='auto' or False")
+
+    def _check_bounds_and_reuse(self) -> None:
+        from .selectors import selector_for
+
+        if self.bounds not in BOUNDS:
+            raise ValueError(f"unknown bounds {self.bounds!r}; choose 'key_dtype' (the default: min/max in the keys' "
+                             "dtype) or 'int8' (8-bit codes on one fp32 scale a page, about half the bytes)")
+        k = self.reselect_every
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"reselect_every must be an int >= 1 (1: choose pages at every decode step), got {k!r}")
+        sel = selector_for(self.policy)
+        if self.bounds != "key_dtype" and not sel.int8_bounds:
+            raise ValueError(f"bounds={self.bounds!r} is read by policy 'quest' only; policy {self.policy!r} reads the "
+                             "key-dtype bounds: use bounds='key_dtype' or policy='quest'")
+        if k > 1 and not sel.reuses_selection:
+            raise ValueError(f"reselect_every={k} is supported by policy 'quest' only, got policy {self.policy!r}; use "
+                             "reselect_every=1 or policy='quest'")
+
+    def _check_offload(self) -> None:
+        from .offload import OFFLOAD_POLICIES, OFFLOAD_TARGETS
+
+        if self.offload is not None and self.offload not in OFFLOAD_TARGETS:
+            raise ValueError(f"offload must be None (every page on the GPU) or 'cpu' (sparse layers' K/V pages in host "
+                             f"memory), got {self.offload!r}")
+        for name in ("offload_pages", "offload_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            if self.offload is None:
+                raise ValueError(f"{name} sizes the resident pool of offload='cpu': set offload='cpu' too, or drop it")
+        if self.offload_pages is not None and self.offload_bytes is not None:
+            raise ValueError("give the resident pool in pages (offload_pages) or in bytes (offload_bytes), not both")
+        if self.offload is None:
+            return
+        if self.policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"offload='cpu' serves the policies {', '.join(OFFLOAD_POLICIES)} (they read pages only "
+                             f"through the resident pool), got policy={self.policy!r}")
+        for name, default in (("bounds", "key_dtype"), ("reselect_every", 1)):
+            if getattr(self, name, default) != default:
+                raise ValueError(f"offload='cpu' is not built for {name}={getattr(self, name)!r}: use {name}={default!r}")
+        most = max(self.layer_budgets or (self.budget,)) // self.page_size + 1
+        if self.offload_pages is not None and self.offload_pages < most:
+            raise ValueError(f"offload_pages={self.offload_pages} is smaller than one decode step's selection ({most} "
+                             f"pages a KV head: budget // page_size + 1, times the GQA group under gqa_mode='union'); "
+                             f"use offload_pages >= {most}")
 
     def _check_per_layer(self) -> None:
         """Types of `layer_budgets` / `dense` (lists become tuples); their length is checked by `check_layers`."""

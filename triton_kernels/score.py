@@ -12,9 +12,18 @@ __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 REDUCES = ("none", "max", "sum")
 
 
-def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce):
+def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale=None):
     B, H, P_cap, D = kmin.shape
     G = check_query(q, H, D, B)
+    if kmax.shape != kmin.shape or kmax.dtype != kmin.dtype:
+        raise ValueError(f"kmin/kmax must share shape and dtype, got {kmin.dtype} {tuple(kmin.shape)} and "
+                         f"{kmax.dtype} {tuple(kmax.shape)}")
+    if (kmin.dtype == torch.int8) != (scale is not None):
+        raise ValueError("int8 bounds (triton_kernels/bounds8.py) need their fp32 scale= [B, H_kv, P]; "
+                         f"float bounds take none (got {kmin.dtype} bounds, scale {'given' if scale is not None else None})")
+    if scale is not None and (scale.shape != (B, H, P_cap) or scale.dtype != torch.float32 or scale.device != q.device):
+        raise ValueError(f"scale must be fp32 [B={B}, H_kv={H}, P={P_cap}] on {q.device}, got {scale.dtype} "
+                         f"{tuple(scale.shape)} on {scale.device}")
     if reduce not in REDUCES:
         raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
     P = -(-seq_len // page_size)
@@ -25,7 +34,10 @@ def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce):
     return B, H, G, D, P
 
 
-def _check_pos(pos, device, window=0, window_start=0):
+def _check_pos(pos, device, window=0, window_start=0, due=None):
+    if due is not None and (due.numel() != 1 or due.device != device or due.is_floating_point()):
+        raise ValueError(f"due must be one integer or bool tensor on {device}, got {due.dtype} {tuple(due.shape)} "
+                         f"on {due.device}")
     if pos is not None and (pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device):
         raise ValueError(f"pos must be one integer tensor on {device}, "
                          f"got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
@@ -60,7 +72,7 @@ def gather_rows(t, rows):
 
 
 def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                    pos=None, window: int = 0, rows=None):
+                    pos=None, window: int = 0, rows=None, scale=None, due=None):
     """Score the `P = ceil(seq_len / S)` pages of a layer for one decode query.
 
     q `[B, H_q, D]`; kmin/kmax `[B, H_kv, P_cap, D]`. Returns fp32 `[B, H_q, P]` (`reduce="none"`) or
@@ -70,13 +82,20 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     with `window > 0` (a sliding window, read with `pos` on the device) the pages ending before
     `max(0, pos - window)` score `-inf` as well. `rows` (int32 `[B, P_cap]`, beam search's page table): page
     `p` of sequence `b` is read from batch row `rows[b, p]`.
+
+    8-bit bounds (triton_kernels/bounds8.py): kmin/kmax int8 codes with `scale` fp32 `[B, H_kv, P_cap]`; the
+    bounds are `code * scale` (one fp32 product, as bounds8 rounded them). `due` (one device integer, selection
+    reuse): where it is 0 no bound is read and only the forced pages score (+inf; every other page -inf).
     """
-    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
-    _check_pos(pos, q.device, window, window_start)
+    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale)
+    _check_pos(pos, q.device, window, window_start, due)
     check_rows(rows, B, P, q.device)
     kmin, kmax = gather_rows(kmin[:, :, :P], rows), gather_rows(kmax[:, :, :P], rows)
     qf = q.float().reshape(B, H, G, 1, D)
     lo, hi = kmin[:, :, None, :P].float(), kmax[:, :, None, :P].float()
+    if scale is not None:
+        sc = gather_rows(scale[:, :, :P], rows)[:, :, None, :, None]
+        lo, hi = lo * sc, hi * sc
     empty = (kmin[:, :, :P, 0] > kmax[:, :, :P, 0])[:, :, None]  # [B, H, 1, P]
     # 0 * inf is NaN: empty pages are overwritten below, so zero them first.
     lo = torch.where(empty[..., None], 0.0, lo)
@@ -87,6 +106,8 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     if window:
         dead = torch.arange(P, device=q.device) < window_start_at(pos, window, page_size)
         s = s.masked_fill(dead, float("-inf"))
+    if due is not None:
+        s = s.masked_fill(due.view(()) == 0, float("-inf"))
     s[..., P - 1] = float("inf")
     if pos is not None:
         s.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
@@ -120,9 +141,11 @@ def _score_block(
     stride_ob, stride_oh, stride_op,
     P, P_DEAD, CUR,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
+    scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE: tl.constexpr,
 ):
     """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
-    bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise)."""
+    bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise). USE_SCALE: int8 codes
+    times their page's fp32 scale (triton_kernels/bounds8.py)."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
@@ -130,11 +153,15 @@ def _score_block(
     # The tile is read from HBM once and scored for every query head of the KV group.
     p_lo = kmin_ptr + o_row[:, None] * stride_nb + i_h * stride_nh + o_p[:, None] * stride_np + o_d[None, :] * stride_nd
     p_hi = kmax_ptr + o_row[:, None] * stride_xb + i_h * stride_xh + o_p[:, None] * stride_xp + o_d[None, :] * stride_xd
-    b_lo = tl.load(p_lo, mask=m_pd, other=0.0).to(tl.float32)
-    b_hi = tl.load(p_hi, mask=m_pd, other=0.0).to(tl.float32)
+    b_lo = tl.load(p_lo, mask=m_pd, other=0).to(tl.float32)
+    b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32)
+    if USE_SCALE:  # the same fp32 product bounds8 checked its rounding against
+        b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
+        b_lo = b_lo * b_sc[:, None]
+        b_hi = b_hi * b_sc[:, None]
     # Same emptiness test as the reference (first channel only); these addresses are already in L1.
-    b_lo0 = tl.load(kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0.0)
-    b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0.0)
+    b_lo0 = tl.load(kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0)
+    b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0)
     m_dead = (b_lo0.to(tl.float32) > b_hi0.to(tl.float32)) | (o_p < P_DEAD)
     m_cur = (o_p == P - 1) | (o_p == CUR)
 
@@ -157,15 +184,30 @@ def _score_block(
 
 
 @triton.jit
+def _forced_block(out_ptr, i_b, i_h, o_p, stride_ob, stride_oh, stride_op, P, CUR,
+                  G: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr):
+    """A step that reuses its stored selection: no bound is read, pages P - 1 and CUR +inf, the others -inf
+    (the forced pages only, so that the Top-K after it sees a fixed, cheap row)."""
+    m_p = o_p < P
+    b_s = tl.where((o_p == P - 1) | (o_p == CUR), float("inf"), float("-inf"))
+    if REDUCE == 0:
+        for g in tl.static_range(G):
+            tl.store(out_ptr + i_b * stride_ob + (i_h * G + g) * stride_oh + o_p * stride_op, b_s, mask=m_p)
+    else:  # the max or the sum of G equal rows of +-inf is that row
+        tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_s, mask=m_p)
+
+
+@triton.jit
 def _score_pages_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, out_ptr, pos_ptr, rows_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, out_ptr, pos_ptr, rows_ptr, scale_ptr, due_ptr,
     stride_qb, stride_qh, stride_qd,
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op, stride_rb,
+    stride_sb, stride_sh, stride_sp,
     H_KV, P, P_DEAD, PAGE, WINDOW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
@@ -180,34 +222,47 @@ def _score_pages_kernel(
         cur = (i_pos - 1) // PAGE
         if WINDOW > 0:  # sliding window: pages ending before the window's first slot are never chosen
             P_DEAD = tl.maximum(i_pos - WINDOW, 0) // PAGE
-    _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_bh % H_KV, o_p, o_row,
-                 stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
-                 stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
-                 P, P_DEAD, cur, G, D, BLOCK_D, BLOCK_P, REDUCE)
+    due = 1
+    if HAS_DUE:  # selection reuse: a step that keeps its stored pages skips every bound read
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_bh % H_KV, o_p, o_row,
+                     stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                     stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
+                     P, P_DEAD, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
+                     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE)
+    else:
+        _forced_block(out_ptr, i_b, i_bh % H_KV, o_p, stride_ob, stride_oh, stride_op, P, cur, G, BLOCK_P, REDUCE)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                pos=None, window: int = 0, rows=None, *, launch: ScoreLaunch = SCORE_LAUNCH):
+                pos=None, window: int = 0, rows=None, scale=None, due=None, *, launch: ScoreLaunch = SCORE_LAUNCH):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
-    on D is fastest). Returns a fresh contiguous fp32 `[B, H_q, P]` (`"none"`) or `[B, H_kv, P]`.
+    on D is fastest), in a float dtype or int8 codes with `scale` (constexpr USE_SCALE: half the bytes of fp16
+    bounds, plus 4 a page). `due` (HAS_DUE): a device flag read by every program; 0 skips the bound reads and
+    writes the forced pages only. Returns a fresh contiguous fp32 `[B, H_q, P]` (`"none"`) or `[B, H_kv, P]`.
     """
     require_triton()
-    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce)
-    _check_pos(pos, q.device, window, window_start)
+    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale)
+    _check_pos(pos, q.device, window, window_start, due)
     check_rows(rows, B, P, q.device)
     out = torch.empty(B, H * G if reduce == "none" else H, P, dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(P, launch.block_p))
+    s_strides = scale.stride() if scale is not None else (0, 0, 0)
     _score_pages_kernel[grid](
         q, kmin, kmax, out, pos if pos is not None else out, rows if rows is not None else out,
+        scale if scale is not None else out, due.view(torch.uint8) if due is not None and due.dtype == torch.bool
+        else (due if due is not None else out),
         q.stride(0), q.stride(1), q.stride(2),
         kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
         out.stride(0), out.stride(1), out.stride(2), rows.stride(0) if rows is not None else 0,
+        *s_strides,
         H, P, window_start // page_size, page_size, window,
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
-        HAS_ROWS=rows is not None,
+        HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None,
         num_warps=launch.num_warps,
     )
     return out

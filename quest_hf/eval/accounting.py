@@ -12,19 +12,25 @@ def dense_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int) -> int:
 
 
 def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int,
-               pages_read: float = 0.0, budget: int = 0, group: int = 1) -> float:
+               pages_read: float = 0.0, budget: int = 0, group: int = 1, bounds: str = "key_dtype",
+               reselect_every: int = 1) -> float:
     """K/V + metadata bytes of one decode step of one layer.
 
     `pages_read`: pages actually read over all KV heads (from the selection), for quest/streaming.
     quest: every page's min/max (2 * D per KV head) + the chosen pages' K and V. streaming: chosen K/V
     only. qcode*: quest's metadata + every token's `bits * D / 8` code bytes + the current page's keys
     (scored exactly) + the chosen pages' K and V. oracle: every key + the values of at most `group * budget`
-    tokens per KV head. dense: all K/V.
+    tokens per KV head. dense: all K/V. `bounds="int8"` (QuestConfig.bounds): quest's metadata is 2 * D int8 codes +
+    one fp32 scale a page; `reselect_every=k`: quest reads it on one step in k (amortised).
     """
     if policy == "dense" or seq_len <= budget:
         return dense_bytes(seq_len, kv_heads, head_dim, elt)
-    # The policy's own account (quest_hf/selectors/: `Selector.bytes_per_step`), registered selectors included.
-    return selector_for(policy).bytes_per_step(seq_len, kv_heads, head_dim, elt, page_size, pages_read, budget, group)
+    # The policy's own account (quest_hf/selectors/: `Selector.bytes_per_step`), registered selectors included;
+    # the 8-bit / reuse settings only reach the selectors that take them (QuestConfig refuses them elsewhere).
+    extra = {k: v for k, v in (("bounds", bounds), ("reselect_every", reselect_every))
+             if v != {"bounds": "key_dtype", "reselect_every": 1}[k]}
+    return selector_for(policy).bytes_per_step(seq_len, kv_heads, head_dim, elt, page_size, pages_read, budget, group,
+                                               **extra)
 
 
 def layer_step_bytes(config, layer_idx: int, seq_len: int, kv_heads: int, head_dim: int, elt: int, group: int = 1,
@@ -39,7 +45,8 @@ def layer_step_bytes(config, layer_idx: int, seq_len: int, kv_heads: int, head_d
     if pages_read is None:
         share = group if config.gqa_mode == "union" and config.policy != "streaming" else 1
         pages_read = kv_heads * min(math.ceil(seq_len / S), share * (budget // S))
-    return step_bytes(config.policy, seq_len, kv_heads, head_dim, elt, S, pages_read, budget, group)
+    return step_bytes(config.policy, seq_len, kv_heads, head_dim, elt, S, pages_read, budget, group, config.bounds,
+                      config.reselect_every)
 
 
 def model_step_bytes(config, num_layers: int, seq_len: int, kv_heads: int, head_dim: int, elt: int,

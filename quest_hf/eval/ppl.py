@@ -60,6 +60,8 @@ def fork_cache(cache: QuestCache, config: QuestConfig) -> QuestCache:
     fork.quest_config = config
     for i, layer in enumerate(fork.layers):
         layer.config = config.for_layer(i)  # the layer's own budget (QuestConfig.layer_budgets)
+        layer.reuse = {}  # another config's stored selection (reselect_every) is not this one's
+        layer.sync_bounds()  # 8-bit bounds built (or dropped) for this config's `bounds`
     return fork
 
 

@@ -18,6 +18,9 @@ class Selector:
     """
 
     captured = True
+    # Whether the selector reads `QuestConfig(bounds="int8")`'s 8-bit page bounds, and supports `reselect_every > 1`.
+    int8_bounds = False
+    reuses_selection = False
     # Whether every kernel of this selector reads pages through the layer's page table (`layer.rows`), so that a
     # beam-search reorder permutes page rows instead of copying the cache; False: the reorder copies the buffers.
     paged_reorder = False
@@ -52,6 +55,8 @@ def attend_pages(layer, q: torch.Tensor, ids: torch.Tensor, scale: float, window
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of `q [B, H_q, D]` over the tokens of pages `ids` (fixed shapes, device position), with the
     logit cap `softcap * tanh(s / softcap)` (0: none) and per-query-head `sinks` fp32 `[H_q]` (None: none)."""
+    if getattr(layer, "pager", None) is not None:  # K/V in host memory: read through the resident pool
+        return layer.pager.attend(layer, q, ids, scale, window, softcap, sinks)
     kw = {}
     if softcap:
         kw["softcap"] = softcap
@@ -76,6 +81,33 @@ def top_pages(layer, scores: torch.Tensor, group: int, k: int) -> torch.Tensor:
     return ops.topk_pages(s.contiguous(), k, 1)
 
 
-def metadata_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int) -> int:
-    """Every page's key min/max: what Quest's scoring reads."""
-    return -(-seq_len // page_size) * kv_heads * 2 * head_dim * elt
+def metadata_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int,
+                   bounds: str = "key_dtype") -> int:
+    """Every page's key min/max: what Quest's scoring reads (`bounds="int8"`: two int8 codes a channel plus one fp32
+    scale a page and KV head)."""
+    per_page = 2 * head_dim * elt if bounds == "key_dtype" else 2 * head_dim + 4
+    return -(-seq_len // page_size) * kv_heads * per_page
+
+
+def reused_pages(layer, fresh: torch.Tensor, due: torch.Tensor, every: int) -> torch.Tensor:
+    """Selection reuse (`QuestConfig.reselect_every`): the pages a decode step attends, on the device.
+
+    `fresh` int32 `[B, H_kv, K]` is this step's selection (computed from forced pages only where `due` is False, and
+    then discarded); `due` a device bool. The stored selection (`layer.reuse["ids"]`) becomes `fresh` where due,
+    and the step attends it plus the pages started since it was made, `(c0, cur]` with `c0` the page that was
+    current then: at most `ceil((every - 1) / S)` pages, none of which the stored selection can hold (they were
+    empty then). Returns int32 `[B, H_kv, K + ceil((every - 1) / S)]`, ascending, -1 last (the contract)."""
+    st, S = layer.reuse, layer.page_size
+    ids = torch.where(due, fresh, st["ids"])
+    st["ids"].copy_(ids)
+    st["since"].copy_(torch.where(due, layer.pos, st["since"]))
+    st["step"].add_(1)
+    extra = -(-(every - 1) // S)
+    first = torch.div(st["since"] - 1, S, rounding_mode="floor") + 1
+    cur = torch.div(layer.pos - 1, S, rounding_mode="floor")
+    new = first + torch.arange(extra, device=ids.device)
+    new = torch.where(new <= cur, new, -1).to(torch.int32).expand(*ids.shape[:2], extra)
+    out = torch.cat([ids, new], -1)
+    big = torch.iinfo(torch.int32).max  # -1 sorts last, the chosen ids ascending
+    out = torch.where(out < 0, big, out).sort(-1).values
+    return torch.where(out == big, -1, out)

@@ -1,0 +1,167 @@
+"""8-bit page bounds: each page's key min/max (per KV head) as int8 codes on one fp32 scale, rounded outward.
+
+For a page with element-wise min `lo` and max `hi` over D channels (fp32 math on the stored key dtype):
+
+    scale = max(max_d |lo_d|, max_d |hi_d|) / 126, at least 2^-126 (a normal float: no flush to zero on a GPU)
+    lo8_d = floor(lo_d / scale) - 1 where fp32's `lo8_d * scale` is still above lo_d (else floor)
+    hi8_d = ceil(hi_d / scale) + 1 where fp32's `hi8_d * scale` is still below hi_d (else ceil)
+
+so that `lo8 * scale <= lo` and `hi8 * scale >= hi` hold exactly as the score kernel computes them (one fp32
+product): Quest's score over the codes, `sum_d max(q_d * lo8_d * scale, q_d * hi8_d * scale)`, is term by term
+at least the score over `lo/hi` and stays an upper bound of q.k over the page. |lo / scale| <= 126 (+ 1 code
+outward at most) fits int8. An empty page (`lo > hi`: +inf / -inf) gets lo8 = 127 > hi8 = -128 and scale 0, so
+the score kernels' emptiness test (first channel, lo > hi) reads it as empty. Keys are finite (no inf / NaN).
+
+Layouts: kmin/kmax `[B, H_kv, P, D]` in the key dtype; kmin8/kmax8 int8 `[B, H_kv, P, D]`; kscale fp32
+`[B, H_kv, P]`. Scores read 2 * D + 4 bytes a page and KV head instead of 4 * D (fp16) or 8 * D (fp32).
+"""
+import torch
+
+from ._common import next_pow2, require_triton, tl, triton
+
+__all__ = ["quantize_bounds", "quantize_bounds_ref", "quantize_bounds_at", "quantize_bounds_at_ref",
+           "empty_bounds8", "CODE_LO_EMPTY", "CODE_HI_EMPTY"]
+
+CODE_LO_EMPTY, CODE_HI_EMPTY = 127, -128
+STEPS = 126.0  # codes a side: one below int8's 127 leaves room for the outward correction
+MIN_SCALE = 2.0 ** -126
+
+
+def empty_bounds8(B: int, H: int, P: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kmin8, kmax8, kscale of `P` empty pages."""
+    return (torch.full((B, H, P, D), CODE_LO_EMPTY, dtype=torch.int8, device=device),
+            torch.full((B, H, P, D), CODE_HI_EMPTY, dtype=torch.int8, device=device),
+            torch.zeros(B, H, P, dtype=torch.float32, device=device))
+
+
+def _check(kmin, kmax, kmin8, kmax8, kscale):
+    if kmin.dim() != 4 or kmin.shape != kmax.shape or kmin.dtype != kmax.dtype or not kmin.is_floating_point():
+        raise ValueError(f"kmin/kmax must be float [B, H_kv, P, D] of one dtype, got {kmin.dtype} "
+                         f"{tuple(kmin.shape)} and {kmax.dtype} {tuple(kmax.shape)}")
+    if kmin8.shape != kmin.shape or kmax8.shape != kmin.shape or kmin8.dtype != torch.int8 or kmax8.dtype != torch.int8:
+        raise ValueError(f"kmin8/kmax8 must be int8 {tuple(kmin.shape)}, got {kmin8.dtype} {tuple(kmin8.shape)} and "
+                         f"{kmax8.dtype} {tuple(kmax8.shape)}")
+    if kscale.shape != kmin.shape[:3] or kscale.dtype != torch.float32:
+        raise ValueError(f"kscale must be fp32 {tuple(kmin.shape[:3])}, got {kscale.dtype} {tuple(kscale.shape)}")
+    return kmin.shape
+
+
+def _quantize(lo, hi):
+    """fp32 `[..., D]` page bounds -> (lo8, hi8 int8, scale fp32 `[...]`): the module docstring's rule."""
+    empty = lo > hi
+    mag = torch.where(empty, 0.0, torch.maximum(lo.abs(), hi.abs())).amax(-1, keepdim=True)
+    scale = (mag / STEPS).clamp_min(MIN_SCALE)
+    zero = torch.zeros((), dtype=torch.float32, device=lo.device)
+    lo_q = torch.floor(torch.where(empty, zero, lo) / scale)
+    hi_q = torch.ceil(torch.where(empty, zero, hi) / scale)
+    lo_q = torch.where(lo_q * scale > lo, lo_q - 1, lo_q)
+    hi_q = torch.where(hi_q * scale < hi, hi_q + 1, hi_q)
+    lo_q = torch.where(empty, float(CODE_LO_EMPTY), lo_q)
+    hi_q = torch.where(empty, float(CODE_HI_EMPTY), hi_q)
+    scale = torch.where(empty[..., :1], 0.0, scale)
+    return lo_q.to(torch.int8), hi_q.to(torch.int8), scale[..., 0]
+
+
+def quantize_bounds_ref(kmin, kmax, kmin8, kmax8, kscale, first: int = 0, count: int | None = None) -> None:
+    """Write the 8-bit bounds of pages `[first, first + count)` (None: to the end) from kmin/kmax, in place."""
+    P = _check(kmin, kmax, kmin8, kmax8, kscale)[2]
+    count = P - first if count is None else count
+    if not (0 <= first and count >= 0 and first + count <= P):
+        raise ValueError(f"pages [{first}, {first + count}) are not within the {P} pages")
+    if count == 0:
+        return
+    sl = slice(first, first + count)
+    lo, hi, scale = _quantize(kmin[:, :, sl].float(), kmax[:, :, sl].float())
+    kmin8[:, :, sl], kmax8[:, :, sl], kscale[:, :, sl] = lo, hi, scale
+
+
+def _check_pos(pos, device):
+    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != device:
+        raise ValueError(f"pos must be one int32/int64 element on {device}, got {pos.dtype} {tuple(pos.shape)} "
+                         f"on {pos.device}")
+
+
+def quantize_bounds_at_ref(kmin, kmax, kmin8, kmax8, kscale, pos, page_size: int) -> None:
+    """`quantize_bounds_ref` of the one page holding slot `pos - 1` (the device position after a decode append:
+    the page just written), read on the device. Index ops only, so a CUDA graph can capture it."""
+    _check(kmin, kmax, kmin8, kmax8, kscale)
+    _check_pos(pos, kmin.device)
+    page = torch.div(pos.view(1).long() - 1, page_size, rounding_mode="floor")
+    lo, hi, scale = _quantize(kmin.index_select(2, page).float(), kmax.index_select(2, page).float())
+    kmin8.index_copy_(2, page, lo)
+    kmax8.index_copy_(2, page, hi)
+    kscale.index_copy_(2, page, scale)
+
+
+@triton.jit
+def _quantize_bounds_kernel(
+    kmin_ptr, kmax_ptr, lo8_ptr, hi8_ptr, scale_ptr, pos_ptr,
+    stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd,
+    stride_lb, stride_lh, stride_lp, stride_ld,
+    stride_hb, stride_hh, stride_hp, stride_hd,
+    stride_sb, stride_sh, stride_sp,
+    H_KV, FIRST,
+    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, POS_ON_DEVICE: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b = i_bh // H_KV
+    i_h = i_bh % H_KV
+    if POS_ON_DEVICE:  # a decode step: the page holding the last token written
+        i_p = (tl.load(pos_ptr).to(tl.int64) - 1) // PAGE
+    else:
+        i_p = FIRST + tl.program_id(1).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    b_lo = tl.load(kmin_ptr + i_b * stride_nb + i_h * stride_nh + i_p * stride_np + o_d * stride_nd,
+                   mask=m_d, other=0.0).to(tl.float32)
+    b_hi = tl.load(kmax_ptr + i_b * stride_xb + i_h * stride_xh + i_p * stride_xp + o_d * stride_xd,
+                   mask=m_d, other=0.0).to(tl.float32)
+    m_empty = b_lo > b_hi
+    b_lo = tl.where(m_empty, 0.0, b_lo)
+    b_hi = tl.where(m_empty, 0.0, b_hi)
+    mag = tl.max(tl.maximum(tl.abs(b_lo), tl.abs(b_hi)), axis=0)
+    # Correctly rounded division (as torch's), so that the codes equal the reference's bit for bit.
+    scale = tl.maximum(tl.math.div_rn(mag, 126.0), 1.1754943508222875e-38)
+    b_lo8 = tl.floor(tl.math.div_rn(b_lo, scale + tl.zeros_like(b_lo)))
+    b_hi8 = tl.ceil(tl.math.div_rn(b_hi, scale + tl.zeros_like(b_hi)))
+    b_lo8 = tl.where(b_lo8 * scale > b_lo, b_lo8 - 1.0, b_lo8)
+    b_hi8 = tl.where(b_hi8 * scale < b_hi, b_hi8 + 1.0, b_hi8)
+    b_lo8 = tl.where(m_empty, 127.0, b_lo8)
+    b_hi8 = tl.where(m_empty, -128.0, b_hi8)
+    # Every channel of a page is empty or none is (min and max range over the same valid tokens).
+    scale = tl.where(tl.max(m_empty.to(tl.int32), axis=0) > 0, 0.0, scale)
+    tl.store(lo8_ptr + i_b * stride_lb + i_h * stride_lh + i_p * stride_lp + o_d * stride_ld, b_lo8.to(tl.int8),
+             mask=m_d)
+    tl.store(hi8_ptr + i_b * stride_hb + i_h * stride_hh + i_p * stride_hp + o_d * stride_hd, b_hi8.to(tl.int8),
+             mask=m_d)
+    tl.store(scale_ptr + i_b * stride_sb + i_h * stride_sh + i_p * stride_sp, scale)
+
+
+def _launch(kmin, kmax, kmin8, kmax8, kscale, first, pages, pos, page_size):
+    B, H, _, D = kmin.shape
+    _quantize_bounds_kernel[(B * H, pages)](
+        kmin, kmax, kmin8, kmax8, kscale, pos if pos is not None else kscale,
+        *kmin.stride(), *kmax.stride(), *kmin8.stride(), *kmax8.stride(), *kscale.stride(),
+        H, first,
+        PAGE=page_size, D=D, BLOCK_D=max(16, next_pow2(D)), POS_ON_DEVICE=pos is not None, num_warps=1,
+    )
+
+
+def quantize_bounds(kmin, kmax, kmin8, kmax8, kscale, first: int = 0, count: int | None = None) -> None:
+    """Triton twin of `quantize_bounds_ref` (one program per batch row, KV head and page; any strides)."""
+    require_triton()
+    P = _check(kmin, kmax, kmin8, kmax8, kscale)[2]
+    count = P - first if count is None else count
+    if not (0 <= first and count >= 0 and first + count <= P):
+        raise ValueError(f"pages [{first}, {first + count}) are not within the {P} pages")
+    if count:
+        _launch(kmin, kmax, kmin8, kmax8, kscale, first, count, None, 1)
+
+
+def quantize_bounds_at(kmin, kmax, kmin8, kmax8, kscale, pos, page_size: int) -> None:
+    """Triton twin of `quantize_bounds_at_ref`: one launch, the page read from the device position."""
+    require_triton()
+    _check(kmin, kmax, kmin8, kmax8, kscale)
+    _check_pos(pos, kmin.device)
+    _launch(kmin, kmax, kmin8, kmax8, kscale, 0, 1, pos, page_size)
