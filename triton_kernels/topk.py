@@ -54,7 +54,14 @@ class TopKLaunch:
     split_union: unions of group > 1 rows in two launches (each row's threshold by its own program, then one
         program per group writes the union); False: one launch.
     block_p / num_warps: force the one-launch kernel's tile width / warps (benchmarks; None: derived).
+    radix_bits: bits of the threshold settled per pass. 2: three packed counts, one block reduction a pass (any
+        group); 4 or 8: a histogram of the next digit (`tl.histogram`), for one row a program (group 1 and the
+        split union's first launch; unions in one launch keep 2).
     """
+
+    def __post_init__(self):
+        if self.radix_bits not in (2, 4, 8):
+            raise ValueError(f"radix_bits must be 2, 4 or 8, got {self.radix_bits}")
 
     max_tile: int = 32768
     keys_per_thread: int = 16
@@ -63,6 +70,7 @@ class TopKLaunch:
     split_union: bool = True
     block_p: int | None = None
     num_warps: int | None = None
+    radix_bits: int = 2
 
 
 TOPK_LAUNCH = TopKLaunch()
@@ -101,10 +109,17 @@ def _counts_ge(b_key, t1, t2, t3):
 def _topk_rows(
     p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr,
+    MASK_REST: tl.constexpr, RADIX: tl.constexpr,
 ):
     """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded to K_OUT at `p_out`."""
-    i_lo, i_need, b_key1 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE)
+    if RADIX > 2:  # one row (the launcher passes RADIX > 2 only with GROUP == 1)
+        t_lo, t_need, t_key = _row_threshold_hist(p_rows, stride_sp, P, KK, BLOCK_P, SINGLE_TILE, RADIX)
+        i_lo = tl.zeros([1], dtype=tl.int32) + t_lo
+        i_need = tl.zeros([1], dtype=tl.int32) + t_need
+        b_key1 = t_key[None, :]
+    else:
+        i_lo, i_need, b_key1 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P,
+                                               SINGLE_TILE)
     _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
                 GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
 
@@ -187,6 +202,82 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
 
 
 @triton.jit
+def _hist_digit(b_key, i_lo, i_s, RADIX: tl.constexpr):
+    """Histogram of digit `(key - i_lo) >> i_s` (RADIX bits) over the finite keys in `[i_lo, i_lo + 2^(i_s+RADIX))`;
+    every other key goes to the spare bin NB (the histogram has 2 NB bins: no mask argument needed)."""
+    NB: tl.constexpr = 1 << RADIX
+    b_d = ((b_key - i_lo).to(tl.uint32, bitcast=True) >> i_s.to(tl.uint32)).to(tl.int32)
+    m_in = (b_key >= i_lo) & (b_key > NEG_INF_KEY) & (b_d < NB)
+    return tl.histogram(tl.where(m_in, b_d, NB), 2 * NB)
+
+
+@triton.jit
+def _row_threshold_hist(p_row, stride_sp, P, KK, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+                        RADIX: tl.constexpr):
+    """`_row_thresholds` for one row, RADIX bits a pass: a histogram of the next digit gives the count of keys at
+    or above each of its 2^RADIX values at once (keys >= i_lo less those in lower bins). Returns scalars (T, ties
+    to take) in `_pick_union`'s terms, and the row's keys (SINGLE_TILE)."""
+    NB: tl.constexpr = 1 << RADIX
+    o_n = tl.arange(0, BLOCK_P)
+    o_b = tl.arange(0, 2 * NB)
+    if SINGLE_TILE:
+        b_key1 = _load_keys(p_row, tl.arange(0, 1), o_n, 0, stride_sp, 1, P).reshape(BLOCK_P)
+        m_fin = b_key1 > NEG_INF_KEY
+        n_fin = tl.sum(m_fin.to(tl.int32), axis=0)
+        i_max = tl.max(b_key1, axis=0)
+        i_min = tl.min(tl.where(m_fin, b_key1, INT_MAX), axis=0)
+    else:
+        b_key1 = tl.zeros([BLOCK_P], dtype=tl.int32)  # unused: the tiles are re-read
+        n_fin = tl.zeros([], dtype=tl.int32)
+        i_max = tl.zeros([], dtype=tl.int32) + INT_MIN
+        i_min = tl.zeros([], dtype=tl.int32) + INT_MAX
+        for i_p0 in range(0, P, BLOCK_P):
+            b_key = _load_keys(p_row, tl.arange(0, 1), i_p0 + o_n, 0, stride_sp, 1, P).reshape(BLOCK_P)
+            m_fin = b_key > NEG_INF_KEY
+            n_fin += tl.sum(m_fin.to(tl.int32), axis=0)
+            i_max = tl.maximum(i_max, tl.max(b_key, axis=0))
+            i_min = tl.minimum(i_min, tl.min(tl.where(m_fin, b_key, INT_MAX), axis=0))
+    m_search = n_fin > KK
+    i_diff = i_min ^ i_max
+    i_len = ((i_diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
+    i_len = tl.where(i_diff == 0, 0, i_len)
+    i_shift = tl.where(i_diff < 0, 32, tl.minimum((i_len + RADIX - 1) // RADIX * RADIX, 32))
+    i_sh = tl.minimum(i_shift, 31)
+    i_lo = tl.where(i_shift >= 32, INT_MIN, (i_max >> i_sh) << i_sh)
+    i_lo = tl.where(m_search, i_lo, NEG_INF_KEY)
+    i_shift = tl.where(m_search, i_shift, 0)
+    i_cnt = n_fin  # finite keys >= i_lo
+    i_need = tl.zeros([], dtype=tl.int32)  # rows that take every finite key (no search) need no ties
+    while i_shift > 0:
+        i_s = i_shift - RADIX
+        if SINGLE_TILE:
+            b_hist = _hist_digit(b_key1, i_lo, i_s, RADIX)
+        else:
+            b_hist = tl.zeros([2 * NB], dtype=tl.int32)
+            for i_p0 in range(0, P, BLOCK_P):
+                b_key = _load_keys(p_row, tl.arange(0, 1), i_p0 + o_n, 0, stride_sp, 1, P).reshape(BLOCK_P)
+                b_hist += _hist_digit(b_key, i_lo, i_s, RADIX)
+        b_hist = tl.where(o_b < NB, b_hist, 0)
+        b_ge = i_cnt - (tl.cumsum(b_hist, axis=0) - b_hist)  # finite keys >= i_lo + (bin << i_s), per bin
+        # Counts fall with the bin; the digit is the last bin still holding KK keys (bin 0 holds i_cnt >= KK).
+        i_digit = tl.sum(((o_b >= 1) & (o_b < NB) & (b_ge >= KK)).to(tl.int32), axis=0)
+        c_new = tl.sum(tl.where(o_b == i_digit, b_ge, 0), axis=0)
+        n_eq = tl.sum(tl.where(o_b == i_digit, b_hist, 0), axis=0)
+        i_lo = i_lo + (i_digit << i_s)  # wrapping int32, as in _row_thresholds
+        i_cnt = c_new
+        if c_new == KK:  # exactly KK keys >= i_lo: take them all (T just below i_lo, no ties)
+            i_lo = i_lo - 1
+            i_need = i_need * 0
+            i_shift = i_s * 0
+        elif i_s == 0:  # i_lo is the KK-th key itself: take the keys above it and the lowest-index ties
+            i_need = KK - (c_new - n_eq)
+            i_shift = i_s * 0
+        else:
+            i_shift = i_s
+    return i_lo, i_need, b_key1
+
+
+@triton.jit
 def _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
                 MASK_REST: tl.constexpr):
@@ -228,27 +319,33 @@ def _topk_pages_kernel(
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr,
+    MASK_REST: tl.constexpr, RADIX: tl.constexpr,
 ):
     i_bg = tl.program_id(0).to(tl.int64)
     i_b = i_bg // R_OUT
     i_g = i_bg % R_OUT
     _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
-               stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
+               stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST,
+               RADIX)
 
 
 @triton.jit
 def _topk_thresholds_kernel(
     s_ptr, thr_ptr, need_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
-    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RADIX: tl.constexpr,
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group)."""
     i_row = tl.program_id(0).to(tl.int64)
-    i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr, stride_sp,
-                                      P, KK, 1, 1, BLOCK_P, SINGLE_TILE)
-    o_1 = tl.arange(0, 1)
-    tl.store(thr_ptr + i_row + o_1, i_lo)
-    tl.store(need_ptr + i_row + o_1, i_need)
+    p_row = s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr
+    if RADIX > 2:
+        t_lo, t_need, _ = _row_threshold_hist(p_row, stride_sp, P, KK, BLOCK_P, SINGLE_TILE, RADIX)
+        tl.store(thr_ptr + i_row, t_lo)
+        tl.store(need_ptr + i_row, t_need)
+    else:
+        i_lo, i_need, _ = _row_thresholds(p_row, stride_sr, stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE)
+        o_1 = tl.arange(0, 1)
+        tl.store(thr_ptr + i_row + o_1, i_lo)
+        tl.store(need_ptr + i_row + o_1, i_need)
 
 
 @triton.jit
@@ -313,7 +410,7 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        num_warps=launch.num_warps or warps,
+        RADIX=launch.radix_bits if group == 1 else 2, num_warps=launch.num_warps or warps,
     )
     return out
 
@@ -325,7 +422,7 @@ def _split_union(scores, out, k, group, launch):
     block_p, warps, single = launch_config(P, 1, launch)
     _topk_thresholds_kernel[(B * R,)](
         scores, thr, need, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
-        BLOCK_P=block_p, SINGLE_TILE=single, num_warps=warps,
+        BLOCK_P=block_p, SINGLE_TILE=single, RADIX=launch.radix_bits, num_warps=warps,
     )
     block_p, warps, single = launch_config(P, group, launch)
     _topk_union_kernel[(B * (R // group),)](
