@@ -21,6 +21,9 @@ A one-token append is one kernel at the device position `pos`, so a decode step 
 state: the same step runs eagerly (CPU, `cuda_graph=False`) and is captured as a CUDA graph by the caller
 (`quest_hf.graph`). The spare page past `C` is never written: it is the kernels' own always-chosen page
 (`score_pages` forces page `P - 1`), so selecting `K + 1` pages over the whole allocation costs no token.
+
+Under `QuestConfig(offload="cpu")` a sparse layer's `keys`/`values` are page-locked host tensors and `layer.pager`
+(quest_hf/offload.py) holds the device side: the current page, the resident pool and its page table.
 """
 from __future__ import annotations
 
@@ -93,6 +96,7 @@ class QuestLayer(CacheLayerMixin):
         # selection was chosen; 0: choose at the next step), "ids" (that selection, [B, H_kv, K]), "since" (the
         # position it was chosen at). Reordered with beams; zeroed in place by growth, crop and reset.
         self.reuse: dict[str, torch.Tensor] = {}
+        self.pager = None  # K/V in host memory (QuestConfig.offload, quest_hf/offload.py); set by QuestCache
         self.ops: Ops | None = None
         self.allocations = 0  # counts buffer moves: a captured step holds the addresses of the last one
         self._dense_ids: torch.Tensor | None = None
@@ -151,7 +155,11 @@ class QuestLayer(CacheLayerMixin):
         B, H, D, Dv = self._shape
         dev, dt = self.device, self.dtype
         # Zero-filled so that no unwritten slot can leak NaN into a masked-out product.
-        keys, values = torch.zeros(B, H, cap, D, dtype=dt, device=dev), torch.zeros(B, H, cap, Dv, dtype=dt, device=dev)
+        if self.pager is not None:  # host memory (quest_hf/offload.py)
+            keys, values = self.pager.host_buffers(self, B, H, cap, D, Dv, dt)
+        else:
+            keys = torch.zeros(B, H, cap, D, dtype=dt, device=dev)
+            values = torch.zeros(B, H, cap, Dv, dtype=dt, device=dev)
         kmin = torch.full((B, H, cap // S, D), float("inf"), dtype=dt, device=dev)
         kmax = torch.full((B, H, cap // S, D), float("-inf"), dtype=dt, device=dev)
         valid = torch.zeros(B, cap, dtype=torch.bool, device=dev)
@@ -170,6 +178,8 @@ class QuestLayer(CacheLayerMixin):
                 new[:, :, :p] = old[:, :, :p]
         self.kmin8, self.kmax8, self.kscale = bounds8 or (None, None, None)
         self.keys, self.values, self.kmin, self.kmax, self.valid = keys, values, kmin, kmax, valid
+        if self.pager is not None:
+            self.pager.resize(self)
         self.reselect()  # the stored selection names the old spare page, now an ordinary one
         self._dense_ids = None
         self.allocations += 1
@@ -195,7 +205,9 @@ class QuestLayer(CacheLayerMixin):
         start = self.seq_len
         self.reserve(start + T)
         valid_new = self._step.get(T, self.device)
-        if T == 1:  # the device position: no host value enters the step, so a graph replay stays right
+        if self.pager is not None:  # K/V to host memory, the metadata here (quest_hf/offload.py)
+            paged = self.pager.append(self, key_states, value_states, valid_new, start)
+        elif T == 1:  # the device position: no host value enters the step, so a graph replay stays right
             self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.valid,
                                      key_states, value_states, valid_new, self.pos)
             self.pos += 1
@@ -213,6 +225,8 @@ class QuestLayer(CacheLayerMixin):
                                          (start + T - 1) // self.page_size + 1 - p0)
         self.selector.on_append(self, key_states, start, valid_new)
         self.seq_len = start + T
+        if self.pager is not None:
+            return paged
         if T == 1:
             return self.keys, self.values
         return self.keys[:, :, : self.seq_len], self.values[:, :, : self.seq_len]
@@ -293,6 +307,9 @@ class QuestLayer(CacheLayerMixin):
         self.allocations += 1
 
     def _map(self, fn) -> None:
+        if self.pager is not None and self.is_initialized:
+            raise NotImplementedError("offload='cpu' does not serve batch edits (num_return_sequences > 1, "
+                                      "contrastive or assisted search): use a new QuestCache per batch")
         self._materialize()
         if self.is_initialized:
             for name in ("keys", "values", "kmin", "kmax", "valid", "kmin8", "kmax8", "kscale"):
@@ -317,6 +334,8 @@ class QuestLayer(CacheLayerMixin):
             self.reselect()
             if self.rows is not None:  # in place: a captured step reads this table
                 self.rows.copy_(self._own_rows())
+        if self.pager is not None:
+            self.pager.reset()
         self.side_state.clear()
         self.seq_len = 0
 
@@ -343,6 +362,9 @@ class QuestLayer(CacheLayerMixin):
         every buffer is permuted in place. Either way in place: a captured step holds these addresses."""
         if not self.is_initialized:
             return
+        if self.pager is not None:
+            raise NotImplementedError("offload='cpu' does not serve beam search (its page table is per sequence): "
+                                      "use num_beams=1 or offload=None")
         beam_idx = beam_idx.to(self.device)
         if "ids" in self.reuse:  # sequence b continues beam_idx[b], and reuses its stored selection
             self.reuse["ids"].copy_(self.reuse["ids"].index_select(0, beam_idx))
@@ -385,6 +407,11 @@ class QuestLayer(CacheLayerMixin):
             return
         if new_len < 0:
             raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache of {self.seq_len}")
+        if self.pager is not None:  # the surviving tokens of the boundary page come back from the host
+            self.pager.crop(self, new_len)
+            self.seq_len = new_len
+            self.selector.on_crop(self, new_len)
+            return
         S = self.page_size
         start = new_len // S * S  # the boundary page is rebuilt from its surviving tokens
         if self.rows is not None:  # the boundary page may be shared by beams: each takes its own copy
@@ -441,6 +468,10 @@ class QuestCache(Cache):
         self.decode_path: str | None = None
         # Each layer runs under its own config: its budget (QuestConfig.layer_budgets) is what its selector reads.
         super().__init__(layers=[QuestLayer(config.for_layer(i), self._step, max_length) for i in range(num_layers)])
+        from .offload import make_pagers
+
+        for layer, pager in zip(self.layers, make_pagers(config, num_layers)):
+            layer.pager = pager  # offload="cpu": sparse layers keep K/V in host memory
 
     @classmethod
     def from_model(cls, model, max_length: int | None = None) -> QuestCache:
@@ -454,6 +485,9 @@ class QuestCache(Cache):
     def copy(self, config: QuestConfig | None = None) -> QuestCache:
         """An independent copy (tensors included), optionally under another config with the same page_size:
         one dense prefill can then be decoded under many budgets or policies."""
+        if self.quest_config.offload is not None:
+            raise NotImplementedError("QuestCache.copy does not copy an offloaded cache (its host pages are "
+                                      "page-locked): prefill a new cache instead")
         new = _copy.deepcopy(self)
         if config is not None:
             if config.page_size != self.quest_config.page_size:
@@ -490,6 +524,14 @@ class QuestCache(Cache):
     def storage(self) -> tuple[int, ...]:
         """Changes whenever a layer's buffers move (growth, a batch edit): a captured step must be re-captured."""
         return tuple(layer.allocations for layer in self.layers)
+
+    @property
+    def offload_stats(self) -> dict:
+        """Under `offload="cpu"`: resident hit rate, bytes moved per step, pool and host bytes (quest_hf.offload.
+        offload_stats; reads the device counters now, one host sync)."""
+        from .offload import offload_stats
+
+        return offload_stats(self)
 
     @property
     def backends(self) -> set[str]:

@@ -72,6 +72,16 @@ class QuestConfig:
             runs over a row of forced pages). Growth, crop, reset and batch edits choose afresh at the next step.
 
 
+        offload: None (default: every page on the layer's device) or `"cpu"`: each sparse layer keeps its K/V pages in
+            page-locked host memory and on the GPU only the page bounds, the current page, a pool of resident pages
+            and the page table; each decode step fetches the chosen pages that are not resident (quest_hf/offload.py:
+            contexts larger than GPU memory). The dense layers stay on the GPU. Policies "quest" and "streaming";
+            no beam search, no attention sinks.
+        offload_pages: resident pages per (sequence, KV head) of each offloaded layer (None: twice what one step can
+            choose, `2 * (budget // page_size + 1)`, times the GQA group under `gqa_mode="union"`). A pool smaller
+            than one step's selection is refused.
+        offload_bytes: or the device bytes of all the offloaded layers' pools together (split evenly; K and V).
+
     Two settings are for tests only (they let the CPU suite run what is CUDA-only): `_compile_devices`, the
     device types whose one-token inputs `compile_decode` compiles, and `_defer_devices`, those where a QuestCache
     asks for the deferred stop check (transformers' check needs device events, which CPU lacks); both `("cuda",)`.
@@ -91,6 +101,9 @@ class QuestConfig:
     dense: tuple[int, ...] | None = None
     bounds: str = "key_dtype"
     reselect_every: int = 1
+    offload: str | None = None
+    offload_pages: int | None = None
+    offload_bytes: int | None = None
     _compile_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
     _defer_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
 
@@ -146,6 +159,7 @@ class QuestConfig:
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(isinstance(d, str) for d in value):
                 raise TypeError(f"{name} must be a tuple of device types such as ('cuda',), got {value!r}")
+        self._check_offload()
         from .selectors import captured_policies
 
         if self.cuda_graph is True and self.policy not in captured_policies():
@@ -168,6 +182,37 @@ class QuestConfig:
         if k > 1 and not sel.reuses_selection:
             raise ValueError(f"reselect_every={k} is supported by policy 'quest' only, got policy {self.policy!r}; use "
                              "reselect_every=1 or policy='quest'")
+
+    def _check_offload(self) -> None:
+        from .offload import OFFLOAD_POLICIES, OFFLOAD_TARGETS
+
+        if self.offload is not None and self.offload not in OFFLOAD_TARGETS:
+            raise ValueError(f"offload must be None (every page on the GPU) or 'cpu' (sparse layers' K/V pages in host "
+                             f"memory), got {self.offload!r}")
+        for name in ("offload_pages", "offload_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            if self.offload is None:
+                raise ValueError(f"{name} sizes the resident pool of offload='cpu': set offload='cpu' too, or drop it")
+        if self.offload_pages is not None and self.offload_bytes is not None:
+            raise ValueError("give the resident pool in pages (offload_pages) or in bytes (offload_bytes), not both")
+        if self.offload is None:
+            return
+        if self.policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"offload='cpu' serves the policies {', '.join(OFFLOAD_POLICIES)} (they read pages only "
+                             f"through the resident pool), got policy={self.policy!r}")
+        for name, default in (("bounds", "key_dtype"), ("reselect_every", 1)):
+            if getattr(self, name, default) != default:
+                raise ValueError(f"offload='cpu' is not built for {name}={getattr(self, name)!r}: use "
+                                 f"{name}={default!r}")
+        most = max(self.layer_budgets or (self.budget,)) // self.page_size + 1
+        if self.offload_pages is not None and self.offload_pages < most:
+            raise ValueError(f"offload_pages={self.offload_pages} is smaller than one decode step's selection ({most} "
+                             f"pages a KV head: budget // page_size + 1, times the GQA group under gqa_mode='union'); "
+                             f"use offload_pages >= {most}")
 
     def _check_per_layer(self) -> None:
         """Types of `layer_budgets` / `dense` (lists become tuples); their length is checked by `check_layers`."""
