@@ -65,6 +65,13 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
     sinks = kwargs.get("s_aux")
     if sinks is None and getattr(module, "sinks", None) is not None:
         sinks = module.sinks
+    if cache is not None and query.shape[2] > 1 and cache.layers[module.layer_idx].prefill_block:
+        layer = cache.layers[module.layer_idx]  # a chunk of quest_hf.offload.prefill: the past read in blocks
+        if layer.seq_len > query.shape[2]:
+            from .offload import chunk_attention
+
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return chunk_attention(layer, query, key, value, scale, layer.prefill_block), None
     if cache is None or query.shape[2] != 1:
         if softcap or sinks is not None:
             return _eager_prefill(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -97,6 +97,8 @@ class QuestLayer(CacheLayerMixin):
         # position it was chosen at). Reordered with beams; zeroed in place by growth, crop and reset.
         self.reuse: dict[str, torch.Tensor] = {}
         self.pager = None  # K/V in host memory (QuestConfig.offload, quest_hf/offload.py); set by QuestCache
+        # > 0 while quest_hf.offload.prefill runs: a chunk attends to the earlier tokens in blocks of this many
+        self.prefill_block = 0
         self.ops: Ops | None = None
         self.allocations = 0  # counts buffer moves: a captured step holds the addresses of the last one
         self._dense_ids: torch.Tensor | None = None
@@ -466,6 +468,8 @@ class QuestCache(Cache):
         self.reused = False
         # How its decode steps ran: "captured" (a CUDA graph replay) or "eager: <why not>"; None before any.
         self.decode_path: str | None = None
+        # How quest_hf.offload.prefill's chunks attended to their past ("blockwise ..." or "sdpa ..."); None: not used.
+        self.prefill_mode: str | None = None
         # Each layer runs under its own config: its budget (QuestConfig.layer_budgets) is what its selector reads.
         super().__init__(layers=[QuestLayer(config.for_layer(i), self._step, max_length) for i in range(num_layers)])
         from .offload import make_pagers

@@ -179,7 +179,7 @@ class Pager:
         self.tail_k.copy_(_from_host(layer.keys, cur, cur + S, layer.device), non_blocking=True)
         self.tail_v.copy_(_from_host(layer.values, cur, cur + S, layer.device), non_blocking=True)
         self.invalidate()
-        if start == 0:
+        if start == 0 or layer.prefill_block:  # chunk_attention reads the past from the host block by block
             return k, v
         # A later chunk attends to every earlier token: this layer's past comes back from the host for the
         # duration of its attention (the only time a sparse layer's whole cache is on the GPU).
@@ -262,6 +262,44 @@ def _from_host(host: torch.Tensor, start: int, end: int, device) -> torch.Tensor
     return out
 
 
+def chunk_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                    block: int) -> torch.Tensor:
+    """Attention of a prefill chunk `query [B, H_q, q, D]` over its layer's whole sequence, reading the earlier
+    tokens in blocks of `block` (from host memory for an offloaded layer, else from the layer's buffers): flash
+    attention per block with its log-sum-exp, merged exactly (fp32). `key/value [B, H_kv, >= q, D]`: the chunk's own
+    are the last q. Only for full causal attention without padding, soft-cap or sinks (`prefill` checks). Returns
+    `[B, q, H_q, D]` as HF's attention functions do. Memory: one block of K/V (repeated to H_q heads) at a time."""
+    B, Hq, q, D = query.shape
+    start = layer.seq_len - q
+    parts = []
+    for s in range(0, start, block):
+        e = min(start, s + block)
+        if layer.keys.device == query.device:
+            kb, vb = layer.keys[:, :, s:e], layer.values[:, :, s:e]
+        else:
+            kb, vb = _from_host(layer.keys, s, e, query.device), _from_host(layer.values, s, e, query.device)
+        parts.append(_attend_lse(query, kb, vb, scale, causal=False))
+    parts.append(_attend_lse(query, key[:, :, -q:], value[:, :, -q:], scale, causal=True))
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+    out = sum(o.float() * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts)
+    return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
+def _attend_lse(q, k, v, scale: float, causal: bool):
+    """(softmax(q k^T * scale) v `[B, H_q, q, D]`, its log-sum-exp fp32 `[B, H_q, q]`); GQA by repeating K/V heads."""
+    G = q.shape[1] // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+    return out, lse[..., : q.shape[2]].float()
+
+
 def make_pagers(config, num_layers: int) -> list[Pager | None]:
     """One Pager per sparse layer under `config.offload`, None for the dense ones (and without offload)."""
     if config.offload is None:
@@ -311,10 +349,14 @@ def offload_stats(cache) -> dict:
 
 
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
-            chunk: int = 8192, max_length: int | None = None, progress=None):
+            chunk: int = 8192, max_length: int | None = None, progress=None, block: int = 32768):
     """Run a long prompt through a patched model in chunks of `chunk` tokens; returns `(cache, logits [B, V])` of
-    the last token. Activations then scale with the chunk, not the prompt; under `offload="cpu"` each chunk's
-    attention reads the layer's earlier K/V back from the host while that layer runs.
+    the last token. Activations then scale with the chunk, not the prompt. Each later chunk attends to the layer's
+    earlier tokens in blocks of `block` tokens (`chunk_attention`: flash attention per block, merged by log-sum-exp;
+    under `offload="cpu"` the blocks are read from host memory), so neither the whole past nor a [chunk, past] mask
+    is on the GPU. A padded batch, sliding-window, soft-capped or sink layers, or `block=0` attend through HF's SDPA
+    over the whole past instead (`cache.prefill_mode` says which): correct, but an offloaded layer's past then
+    comes back to the GPU, with its repeated heads and the mask, while that layer runs.
 
     Continue with `model.generate(full_ids, attention_mask=full_mask, cache=cache, ...)` (`past_key_values=` before
     transformers 5.24) after prefilling all but the last prompt token (`input_ids[:, :-1]`): generate() feeds the
@@ -335,15 +377,38 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     # generate()'s positions: real tokens counted from 0, padding at 1.
     positions = (attention_mask.long().cumsum(1) - 1).masked_fill(attention_mask == 0, 1)
     arg = cache_arg_name(model)
+    blockwise = _blockwise_layers(model, attention_mask) if block else set()
+    cache.prefill_mode = (f"blockwise over the past ({len(blockwise)} of {len(cache.layers)} layers)" if blockwise
+                          else "sdpa over the whole past" + ("" if block else " (block=0)"))
     logits, t0 = None, time.perf_counter()
-    for s in range(0, T, chunk):
-        e = min(T, s + chunk)
-        with torch.no_grad():
-            out = model(input_ids=input_ids[:, s:e], attention_mask=attention_mask[:, :e],
-                        position_ids=positions[:, s:e], use_cache=True, logits_to_keep=1, **{arg: cache})
-        logits = out.logits[:, -1]
-        if progress is not None:
-            progress(e, T, time.perf_counter() - t0)
+    try:
+        for i in blockwise:
+            cache.layers[i].prefill_block = block
+        starts = list(range(0, T, chunk))
+        if len(starts) > 1 and T - starts[-1] == 1:
+            starts.pop()  # a one-token forward is a decode step (sparse): the last chunk takes that token
+        for s, e in zip(starts, starts[1:] + [T]):
+            with torch.no_grad():
+                out = model(input_ids=input_ids[:, s:e], attention_mask=attention_mask[:, :e],
+                            position_ids=positions[:, s:e], use_cache=True, logits_to_keep=1, **{arg: cache})
+            logits = out.logits[:, -1]
+            if progress is not None:
+                progress(e, T, time.perf_counter() - t0)
+    finally:
+        for layer in cache.layers:
+            layer.prefill_block = 0
     return cache, logits
+
+
+def _blockwise_layers(model, attention_mask) -> set[int]:
+    """Layers whose chunks `chunk_attention` can serve: full causal attention, no soft-cap or sinks, no padding.
+    The others attend through HF's SDPA over their whole past (an offloaded layer's then comes back to the GPU for
+    that layer's attention); `cache.prefill_mode` says which."""
+    state = model._quest_state
+    if not bool(attention_mask.all()):
+        logger.info_once("quest-hf prefill: a padded batch: chunks attend through SDPA over the whole past (the "
+                         "layer's K/V on the GPU while it runs); prefill unpadded prompts to stream the past in blocks")
+        return set()
+    return {i for i, a in state.attention.items() if a.kind == "full" and not a.softcap and not a.has_sinks}
 
 __all__ = ["Pager", "make_pagers", "offload_stats", "prefill", "OFFLOAD_TARGETS", "OFFLOAD_POLICIES"]

@@ -186,6 +186,32 @@ def test_sinks_refused():
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
 
 
+def test_blockwise_prefill(model):
+    # An unpadded batch: chunks (not page-aligned) attend to the past in blocks (from the host when offloaded);
+    # offloaded and resident caches prefilled so give the same logits bit for bit, close to one-shot prefill's.
+    ids = torch.randint(2, 97, (2, 150), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    out = {}
+    for offload in (None, "cpu"):
+        patch_model(model, config=_cfg(offload=offload))
+        with one_thread():
+            cache, logits = prefill(model, ids[:, :-1], mask[:, :-1], chunk=37, block=20,
+                                    max_length=ids.shape[1] + NEW)
+            assert cache.prefill_mode == "blockwise over the past (3 of 3 layers)"
+            assert all(layer.prefill_block == 0 for layer in cache.layers)
+            gen = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        out[offload] = logits, gen
+    assert torch.equal(out["cpu"][0], out[None][0])
+    assert torch.equal(out["cpu"][1].sequences, out[None][1].sequences)
+    for a, b in zip(out["cpu"][1].logits, out[None][1].logits):
+        assert torch.equal(a, b)
+    patch_model(model, config=_cfg())
+    with one_thread(), torch.no_grad():
+        whole = model(ids[:, :-1], attention_mask=mask[:, :-1]).logits[:, -1]
+    torch.testing.assert_close(out["cpu"][0], whole, atol=1e-4, rtol=1e-4)
+
+
 def test_chunked_prefill_and_crop(model, batch, resident):
     # prefill() in chunks that split pages (each later chunk attends to the layer's K/V read back from the host),
     # then generate() continues: the same tokens as the one-shot resident prefill; then a crop and more steps give
@@ -194,6 +220,7 @@ def test_chunked_prefill_and_crop(model, batch, resident):
     patch_model(model, config=_cfg(offload="cpu"))
     with one_thread():
         cache, _ = prefill(model, ids[:, :-1], mask[:, :-1], chunk=37, max_length=ids.shape[1] + NEW)
+        assert cache.prefill_mode == "sdpa over the whole past"  # padded: the past comes back to the device
         out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, resident.sequences)
     logits = {}
