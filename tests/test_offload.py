@@ -11,6 +11,7 @@ import triton_kernels.offload as tko
 from quest_hf import QuestCache, patch_model
 from quest_hf.config import QuestConfig
 from quest_hf.offload import prefill
+from quest_hf.patch import cache_arg_name
 
 from .conftest import left_padded_batch, one_thread, tiny_model
 
@@ -28,6 +29,11 @@ def model():
 @pytest.fixture(scope="module")
 def batch():
     return left_padded_batch(lengths=(150, 130))
+
+
+def _arg(model, cache):
+    """The cache keyword of this transformers ("cache" from 5.24, "past_key_values" before)."""
+    return {cache_arg_name(model): cache}
 
 
 def _cfg(**kw):
@@ -75,11 +81,11 @@ def _decode_by_hand(model, batch, pages, steps=NEW):
     cache.selection_hooks.append(lambda i, q, p: chosen.append((i, cache.layers[i].seq_len, p.clone())))
     deltas = []
     with one_thread(), torch.no_grad():
-        out = model(ids, attention_mask=mask, cache=cache)
+        out = model(ids, attention_mask=mask, **_arg(model, cache))
         for _ in range(steps):
             before = [layer.pager.counters.clone() for layer in cache.layers[1:]]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, cache=cache)
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, **_arg(model, cache))
             deltas.append([(layer.pager.counters - b).tolist() for layer, b in zip(cache.layers[1:], before)])
     return cache, chosen, deltas
 
@@ -167,7 +173,7 @@ def test_beams_copy_and_batch_edits_refused(model, batch):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
     cache = QuestCache.from_model(model)
     with torch.no_grad(), one_thread():
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, **_arg(model, cache))
     with pytest.raises(NotImplementedError, match="does not copy an offloaded cache"):
         cache.copy()
     with pytest.raises(NotImplementedError, match="does not serve batch edits"):
@@ -199,7 +205,7 @@ def test_blockwise_prefill(model):
                                     max_length=ids.shape[1] + NEW)
             assert cache.prefill_mode == "blockwise over the past (3 of 3 layers)"
             assert all(layer.prefill_block == 0 for layer in cache.layers)
-            gen = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False,
+            gen = model.generate(ids, attention_mask=mask, **_arg(model, cache), max_new_tokens=NEW, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
         out[offload] = logits, gen
     assert torch.equal(out["cpu"][0], out[None][0])
@@ -221,7 +227,7 @@ def test_chunked_prefill_and_crop(model, batch, resident):
     with one_thread():
         cache, _ = prefill(model, ids[:, :-1], mask[:, :-1], chunk=37, max_length=ids.shape[1] + NEW)
         assert cache.prefill_mode == "sdpa over the whole past"  # padded: the past comes back to the device
-        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, **_arg(model, cache), max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out, resident.sequences)
     logits = {}
     for offload in (None, "cpu"):
@@ -229,13 +235,13 @@ def test_chunked_prefill_and_crop(model, batch, resident):
         c = QuestCache.from_model(model, ids.shape[1] + 8)
         m = mask
         with one_thread(), torch.no_grad():
-            o = model(ids, attention_mask=m, cache=c)
+            o = model(ids, attention_mask=m, **_arg(model, c))
             for step in range(6):
                 if step == 3:
                     c.crop(-2)
                     m = m[:, :-2]
                 m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
-                o = model(o.logits[:, -1:].argmax(-1), attention_mask=m, cache=c)
+                o = model(o.logits[:, -1:].argmax(-1), attention_mask=m, **_arg(model, c))
         logits[offload] = o.logits
     assert torch.equal(logits["cpu"], logits[None])
 
