@@ -8,6 +8,13 @@ over the device-to-device copy bandwidth measured in the same run.
     python scripts/bench_kernels.py --quick        # a subset
     python scripts/bench_kernels.py --check        # launchers vs references first
     python scripts/bench_kernels.py --tune         # a few block sizes at 32K
+    python scripts/bench_kernels.py --quick --bounds key_dtype int8 --reselect-every 1 4   # #16: 8-bit bounds, reuse
+    TRITON_INTERPRET=1 python scripts/bench_kernels.py --dry --bounds int8 --reselect-every 4  # CPU: runs, no timing
+
+`--bounds int8` rows score 8-bit page bounds (QuestConfig(bounds="int8"); the step also requantizes the page it
+wrote). `--reselect-every K` rows (QuestConfig(reselect_every=K)) add the step between selections ("skip": the
+score kernel reads its device flag and writes the forced pages only, the Top-K runs over that row, the stored
+selection plus the pages started since is attended) and the amortised step `(full + (K - 1) * skip) / K`.
 
 Timer: quest_hf.bench (CUDA events per call after a GPU spin, median, no L2 flush), rotating over input sets
 that together exceed L2 three times. Round 1's figures (benchmarks/kernels/round1/) were taken with
@@ -28,6 +35,7 @@ import torch
 
 import triton_kernels as tk
 from quest_hf.bench import LAYER_SHAPES, copy_bandwidth, results_dir, rotating, time_calls, time_graph
+from quest_hf.selectors.base import reused_pages
 from triton_kernels import score as score_mod
 from triton_kernels import sparse_attention as attn_mod
 from triton_kernels import topk as topk_mod
@@ -58,7 +66,7 @@ LAUNCH = dict(score=score_mod.SCORE_LAUNCH, topk=topk_mod.TOPK_LAUNCH, attn=attn
 class Step:
     """One Quest decode step on one input set; mode 'union' (reduce none + union) or 'max'."""
 
-    def __init__(self, layer, q, k, mode, launch=None):
+    def __init__(self, layer, q, k, mode, launch=None, bounds="key_dtype", every=1):
         self.launch = dict(LAUNCH, **(launch or {}))
         self.kc, self.vc, self.kmin, self.kmax, self.valid = layer
         self.q, self.k, self.mode = q, k, mode
@@ -68,11 +76,23 @@ class Step:
         self.reduce = "none" if mode == "union" else "max"
         self.group = self.G if mode == "union" else 1
         self.scale = q.shape[-1] ** -0.5
+        self.bounds, self.every = bounds, every
+        self.pos = torch.tensor(self.L, device=q.device)  # the decode step's device position
+        self.bounds8 = None
+        if bounds == "int8":  # QuestConfig(bounds="int8"): codes + scale quantized from the exact bounds
+            self.bounds8 = tk.bounds8.empty_bounds8(*self.kmin.shape, q.device)
+            tk.quantize_bounds(self.kmin, self.kmax, *self.bounds8)
         self.scores = self.score()
         self.ids = self.topk()
+        if every > 1:  # the stored selection of QuestConfig(reselect_every): a due step's, reused
+            self.not_due = torch.zeros((), dtype=torch.bool, device=q.device)
+            self.reuse_layer = _ReuseState(self.ids, self.pos)
 
-    def score(self):
-        return tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce, launch=self.launch["score"])
+    def score(self, due=None):
+        lo, hi, kw = self.kmin, self.kmax, {}
+        if self.bounds8 is not None:
+            lo, hi, kw = *self.bounds8[:2], dict(scale=self.bounds8[2])
+        return tk.score_pages(self.q, lo, hi, self.L, PAGE, 0, self.reduce, due=due, launch=self.launch["score"], **kw)
 
     def topk(self):
         return tk.topk_pages(self.scores, self.k, self.group, launch=self.launch["topk"])
@@ -81,20 +101,47 @@ class Step:
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.L, PAGE, self.scale,
                                           launch=self.launch["attn"])
 
+    def requantize(self):
+        if self.bounds8 is not None:  # the layer requantizes the page a decode append wrote
+            tk.quantize_bounds_at(self.kmin, self.kmax, *self.bounds8, self.pos, PAGE)
+
     def full(self):
-        s = tk.score_pages(self.q, self.kmin, self.kmax, self.L, PAGE, 0, self.reduce, launch=self.launch["score"])
+        self.requantize()
+        s = self.score()
         ids = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
+                                          launch=self.launch["attn"])
+
+    def skip(self):
+        """A step between selections (reselect_every > 1): flagged score, Top-K, the reuse merge, attention."""
+        self.requantize()
+        s = self.score(due=self.not_due)
+        fresh = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
+        ids = reused_pages(self.reuse_layer, fresh, self.not_due, self.every)
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
                                           launch=self.launch["attn"])
 
     def bytes_read(self):
         B, H, P, D = self.kmin.shape
         es = self.kmin.element_size()
-        meta = 2 * B * H * P * D * es
+        meta = 2 * B * H * P * D * es if self.bounds8 is None else B * H * P * (2 * D + 4)
         scores = 2 * self.scores.numel() * 4  # written by score, read by topk
         chosen = int((self.ids >= 0).sum().item())
         kv = chosen * PAGE * D * es * 2
         return meta + scores + kv, chosen
+
+    def skip_bytes_read(self):
+        """A reusing step: no bounds, the forced scores written and read, the same chosen K/V (no new page here)."""
+        chosen = int((self.ids >= 0).sum().item())
+        return 2 * self.scores.numel() * 4 + chosen * PAGE * self.kmin.shape[-1] * self.kmin.element_size() * 2
+
+
+class _ReuseState:
+    """What `reused_pages` reads of a layer: the stored selection, chosen at this position."""
+
+    def __init__(self, ids, pos):
+        self.reuse = dict(ids=ids.clone(), since=pos.clone(), step=torch.zeros((), dtype=torch.long, device=pos.device))
+        self.pos, self.page_size = pos, PAGE
 
 
 def graph_time(steps, stage):
@@ -102,7 +149,7 @@ def graph_time(steps, stage):
     return time_graph([getattr(s, stage) for s in steps])
 
 
-def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
+def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache, variants=(("key_dtype", 1),)):
     H_q, H_kv, D = SHAPES[shape]
     # Input sets to rotate over: enough that what one Quest step touches (all pages' kmin/kmax, the chosen
     # pages' K/V) exceeds L2 three times over, so no timed call finds its inputs in L2.
@@ -122,14 +169,20 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
     t_sdpa = sdpa_cache[key]
     rows = []
     k = budget // PAGE
-    for mode in modes:
+    for mode, (bounds, every) in [(m, v) for m in modes for v in variants]:
         if mode == "max" and H_q == H_kv:
             continue  # group of one: identical to union
-        steps = [Step(layers[i], qs[i], k, mode) for i in range(n_sets)]
+        steps = [Step(layers[i], qs[i], k, mode, bounds=bounds, every=every) for i in range(n_sets)]
         t_score, t_topk, t_attn = (graph_time(steps, st) for st in ("score", "topk", "attn"))
         t_total = time_calls(rotating([s.full for s in steps]))
         t_graph = graph_time(steps, "full")
-        extra = {}
+        extra = dict(bounds=bounds, reselect_every=every)
+        if every > 1:  # the step between selections, and the mean over one interval
+            t_skip = graph_time(steps, "skip")
+            amort = (t_graph + (every - 1) * t_skip) / every
+            amort_bytes = (steps[0].bytes_read()[0] + (every - 1) * steps[0].skip_bytes_read()) / every
+            extra.update(skip_us=t_skip, amortized_us=amort, speedup_amortized=t_sdpa / amort,
+                         amortized_frac_of_limit=amort_bytes / bw * 1e6 / amort)
         if VARIANTS:  # the attention with its merge always fused into the split kernel, and never
             for name, limit in (("attn_fused_merge_us", 1 << 30), ("attn_merge_kernel_us", 0)):
                 attn = dataclasses.replace(LAUNCH["attn"], fuse_merge_max_splits=limit)
@@ -152,16 +205,21 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache):
     return rows
 
 
-HEADER = ("| shape | L | B | budget | dtype | mode | score us | topk us | attn us | total us | graph us | SDPA us "
-          "| x (plain) | x (graph) | GB/s | limit us | frac |\n|" + "---|" * 17)
+HEADER = ("| shape | L | B | budget | dtype | mode | bounds | k | score us | topk us | attn us | total us | graph us "
+          "| SDPA us | x (plain) | x (graph) | GB/s | limit us | frac | skip us | amortised us | x (amortised) |\n|"
+          + "---|" * 22)
 
 
 def fmt_row(r):
-    return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} | {r['score_us']:.1f} "
+    k = r.get("reselect_every", 1)
+    reuse = (f" {r['skip_us']:.1f} | {r['amortized_us']:.1f} | {r['speedup_amortized']:.2f} |" if k > 1
+             else " - | - | - |")
+    return (f"| {r['shape']} | {r['L']} | {r['B']} | {r['budget']} | {r['dtype']} | {r['mode']} "
+            f"| {r.get('bounds', 'key_dtype')} | {k} | {r['score_us']:.1f} "
             f"| {r['topk_us']:.1f} | {r['attn_us']:.1f} | {r['total_us']:.1f} | {r['graph_us']:.1f} "
             f"| {r['sdpa_us']:.1f} "
             f"| {r['speedup_plain']:.2f} | {r['speedup_graph']:.2f} | {r['achieved_GBps']:.0f} "
-            f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |"
+            f"| {r['byte_limit_us']:.1f} | {r['frac_of_limit']:.2f} |" + reuse
             + (f" attn: merge fused {r['attn_fused_merge_us']:.1f}, merge kernel {r['attn_merge_kernel_us']:.1f}"
                if "attn_merge_kernel_us" in r else ""))
 
@@ -271,6 +329,41 @@ def check_topk_large():
     print("check: topk at P = 8192/16384 with ties and -inf matches", flush=True)
 
 
+def check_bounds_reuse(sizes=((32, 8, 128, 32768 + 5, 1), (32, 32, 128, 8192 + 37, 2)), variants=None):
+    """The 8-bit bounds step and the reuse step against their references (quantize, int8 / flagged score, the
+    reused selection's attention); `sizes` (H_q, H_kv, D, L, B). Raises on mismatch."""
+    dev = DEV
+    variants = variants or [("int8", 1), ("key_dtype", 4), ("int8", 4)]
+    for H_q, H_kv, D, L, B in sizes:
+        L = L // PAGE * PAGE
+        layer = make_layer(B, H_kv, L, D, torch.float16, 0)
+        q = torch.randn(B, H_q, D, device=dev, dtype=torch.float16)
+        for bounds, every in variants:
+            for mode in ("union", "max"):
+                st = Step(layer, q, 17, mode, bounds=bounds, every=every)
+                if st.bounds8 is not None:
+                    ref8 = tk.bounds8.empty_bounds8(*st.kmin.shape, dev)
+                    tk.quantize_bounds_ref(st.kmin, st.kmax, *ref8)
+                    assert all(torch.equal(a, b) for a, b in zip(st.bounds8, ref8)), "int8 codes differ"
+                    lo, hi, kw = (*ref8[:2], dict(scale=ref8[2]))
+                else:
+                    lo, hi, kw = st.kmin, st.kmax, {}
+                s_ref = tk.score_pages_ref(q, lo, hi, L, PAGE, 0, st.reduce, **kw)
+                fin = s_ref.isfinite()
+                assert torch.equal(fin, st.scores.isfinite()), "score inf mask"
+                torch.testing.assert_close(st.scores[fin], s_ref[fin], atol=1e-3, rtol=1e-4)
+                out = st.full()
+                ids = tk.topk_pages_ref(s_ref, 17, st.group)
+                o_ref = tk.sparse_decode_attention_ref(q, st.kc, st.vc, ids, st.valid, L, PAGE, st.scale)
+                assert not out.isnan().any(), "attention NaN"
+                torch.testing.assert_close(out.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+                if every > 1:  # a reusing step attends the stored selection: the same output here
+                    torch.testing.assert_close(st.skip().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
+                    skipped = tk.score_pages(q, lo, hi, L, PAGE, 0, st.reduce, due=st.not_due, **kw)
+                    assert torch.isinf(skipped).all(), "a reusing step's score row is not the forced pages only"
+    print("check: 8-bit bounds and reuse steps match their references", flush=True)
+
+
 def tune(bw):
     """Time each stage's candidate block sizes (CUDA-graph replays) on llama2 union / llama3 max at 32K and
     128K, batch 1, fp16; keep the candidate with the lowest summed time in LAUNCH (this script's sweep)."""
@@ -322,9 +415,20 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
     ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
+    ap.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8"],
+                    help="page bounds of each row (QuestConfig.bounds; int8: 8-bit codes + a scale a page)")
+    ap.add_argument("--reselect-every", type=int, nargs="+", default=[1], metavar="K",
+                    help="rows choosing pages every K steps (QuestConfig.reselect_every): skip and amortised columns")
+    ap.add_argument("--dry", action="store_true",
+                    help="no GPU: run the 8-bit and reuse steps at tiny sizes against their references and exit "
+                         "(needs TRITON_INTERPRET=1 without CUDA)")
     ap.add_argument("--name", default="bench_kernels", help="output file stem")
     ap.add_argument("--out-dir", default=None, help="output folder (default results/bench_kernels/)")
     args = ap.parse_args(argv)
+    variants = [(b, k) for b in args.bounds for k in args.reselect_every]
+    if args.dry:
+        dry_run(variants)
+        return
     import triton
 
     out_dir = args.out_dir or str(results_dir("bench_kernels"))
@@ -338,6 +442,7 @@ def main(argv=None):
     if args.check:
         check()
         check_topk_large()
+        check_bounds_reuse()
         meta["check_s"] = time.time() - t0
     bw = copy_bandwidth(DEV)
     meta["copy_bandwidth_GBps"] = bw / 1e9
@@ -353,11 +458,22 @@ def main(argv=None):
                     for L in args.lengths for bud in (512, 2048, 4096)
                     if args.full or dt == torch.float16 or bud == 2048]
         for shape, L, B, bud, dt in grid:
-            rows += run_config(shape, L, B, bud, dt, ("union", "max"), bw, sdpa_cache)
+            rows += run_config(shape, L, B, bud, dt, ("union", "max"), bw, sdpa_cache, variants)
             write(out_dir, args.name, meta, rows)
     meta["wall_s"] = time.time() - t0
     write(out_dir, args.name, meta, rows)
     print(f"done in {meta['wall_s']:.0f} s", flush=True)
+
+
+def dry_run(variants):
+    """Tiny sizes, no timing: each asked-for step runs and matches its reference (CPU under TRITON_INTERPRET=1)."""
+    global DEV
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("error: --dry without CUDA needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+        DEV = "cpu"
+    check_bounds_reuse(sizes=((8, 2, 64, 16 * 40, 1), (4, 4, 64, 16 * 23, 2)), variants=variants)
+    print(f"dry: {len(variants)} variant(s) ran on {DEV}: {variants}", flush=True)
 
 
 def write(out_dir, name, meta, rows):
