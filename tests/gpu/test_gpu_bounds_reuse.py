@@ -1,0 +1,108 @@
+"""GPU-marked: 8-bit page bounds and selection reuse (#16 points 3, 4) compiled at real sizes against their twins,
+and captured decode steps against the same steps run eagerly.
+
+Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu/test_gpu_bounds_reuse.py`.
+"""
+import pytest
+import torch
+
+import triton_kernels as tk
+from quest_hf import QuestCache, patch_model
+from quest_hf.bench import random_llama
+from triton_kernels.bounds8 import empty_bounds8
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+def _bounds(B, H, D, L, C, S=16, dtype=torch.float16, seed=0):
+    g = torch.Generator(DEV).manual_seed(seed)
+    keys = torch.zeros(B, H, C, D, dtype=dtype, device=DEV)
+    kmin = torch.full((B, H, C // S, D), float("inf"), dtype=dtype, device=DEV)
+    kmax = torch.full_like(kmin, float("-inf"))
+    valid = torch.zeros(B, C, dtype=torch.bool, device=DEV)
+    k = (torch.randn(B, H, L, D, generator=g, device=DEV) * 4).to(dtype)
+    tk.append_kv(keys, keys.clone(), kmin, kmax, valid, k, k, None, 0)
+    return kmin, kmax
+
+
+@pytest.mark.parametrize("B, Hq, H, L", [
+    pytest.param(1, 32, 8, 32768 + 5, id="llama3-8b-32K"),
+    pytest.param(1, 32, 32, 131072 + 3, id="llama2-7b-128K"),
+    pytest.param(8, 32, 32, 8192 + 3, id="llama2-7b-B8-8K"),
+])
+def test_compiled_int8_and_flagged_kernels_match_their_twins_at_real_sizes(B, Hq, H, L):
+    D, S = 128, 16
+    C = -(-(L + 64) // S) * S + S
+    kmin, kmax = _bounds(B, H, D, L, C)
+    mine, ref = empty_bounds8(*kmin.shape, DEV), empty_bounds8(*kmin.shape, DEV)
+    tk.quantize_bounds(kmin, kmax, *mine)
+    tk.quantize_bounds_ref(kmin, kmax, *ref)
+    for a, b in zip(mine, ref):  # correctly rounded division on both sides: bit for bit
+        assert torch.equal(a, b)
+    lo, hi = mine[0].float() * mine[2][..., None], mine[1].float() * mine[2][..., None]
+    live = kmin <= kmax
+    assert (lo[live] <= kmin.float()[live]).all() and (hi[live] >= kmax.float()[live]).all()
+    pos = torch.tensor(L, device=DEV)
+    tk.quantize_bounds_at(kmin, kmax, *mine, pos, S)
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.float16)
+    for reduce in ("none", "max"):
+        s = tk.score_pages(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2])
+        s_ref = tk.score_pages_ref(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2])
+        fin = s_ref.isfinite()
+        assert torch.equal(fin, s.isfinite()) and torch.equal(s_ref[~fin], s[~fin])
+        torch.testing.assert_close(s[fin], s_ref[fin], atol=1e-2, rtol=1e-3)
+        exact = tk.score_pages_ref(q, kmin, kmax, C, S, 0, reduce, pos=pos)
+        assert (s_ref[fin] >= exact[fin]).all()
+        for due in (torch.tensor(True, device=DEV), torch.tensor(0, device=DEV)):
+            got = tk.score_pages(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2], due=due)
+            want = tk.score_pages_ref(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2], due=due)
+            fin = want.isfinite()
+            assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin])
+            torch.testing.assert_close(got[fin], want[fin], atol=1e-2, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    model = random_llama("tiny", torch.float16, torch.device(DEV), 4096)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("options, kw", [
+    pytest.param(dict(bounds="int8"), dict(do_sample=False), id="int8-greedy"),
+    pytest.param(dict(reselect_every=4), dict(do_sample=False), id="reuse4-greedy"),
+    pytest.param(dict(reselect_every=20), dict(do_sample=False), id="reuse20-two-new-pages"),
+    pytest.param(dict(bounds="int8", reselect_every=3), dict(do_sample=False, num_beams=3), id="int8-reuse3-beams"),
+])
+def test_captured_steps_with_int8_bounds_and_reuse_give_the_eager_tokens(llama, options, kw):
+    ids = torch.randint(2, 1000, (2, 300), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    results = {}
+    for cuda_graph in (False, "auto"):
+        patch_model(llama, budget=64, page_size=16, cuda_graph=cuda_graph, **options)
+        graph = llama._quest_state.graph
+        before = graph.captures, graph.replays
+        cache = QuestCache.from_model(llama, max_length=ids.shape[1] + 24)
+        seen = []
+        cache.selection_hooks.append(lambda i, q, page_ids, seen=seen: seen.append((i, page_ids.clone())))
+        out = llama.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=24,
+                             return_dict_in_generate=True, output_scores=True, **kw)
+        results[cuda_graph] = out, cache, seen, (graph.captures - before[0], graph.replays - before[1])
+    (eager, c_e, seen_e, _), (capt, c_c, seen_c, (captures, replays)) = results[False], results["auto"]
+    assert c_e.decode_path == "eager: cuda_graph=False" and c_c.decode_path == "captured"
+    assert captures == 1 and replays >= 20
+    assert torch.equal(eager.sequences, capt.sequences)
+    for a, b in zip(eager.scores, capt.scores):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    # The device counter advanced inside the graph as eagerly, and each step read the same pages.
+    assert len(seen_e) == len(seen_c) > 0
+    for (i, p), (j, o) in zip(seen_e, seen_c):
+        assert i == j and torch.equal(p, o)
+    if "reselect_every" in options:
+        sparse = [layer for layer in c_c.layers if layer.reuse]
+        assert sparse and all(int(la.reuse["step"]) == int(sparse[0].reuse["step"]) for la in sparse)
