@@ -271,18 +271,19 @@ def chunk_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.
     `[B, q, H_q, D]` as HF's attention functions do. Memory: one block of K/V (repeated to H_q heads) at a time."""
     B, Hq, q, D = query.shape
     start = layer.seq_len - q
-    parts = []
-    for s in range(0, start, block):
+    acc, lse = _attend_lse(query, key[:, :, -q:], value[:, :, -q:], scale, causal=True)
+    acc = acc.float()
+    for s in range(0, start, block):  # a running log-sum-exp merge: one block's output held at a time
         e = min(start, s + block)
         if layer.keys.device == query.device:
             kb, vb = layer.keys[:, :, s:e], layer.values[:, :, s:e]
         else:
             kb, vb = _from_host(layer.keys, s, e, query.device), _from_host(layer.values, s, e, query.device)
-        parts.append(_attend_lse(query, kb, vb, scale, causal=False))
-    parts.append(_attend_lse(query, key[:, :, -q:], value[:, :, -q:], scale, causal=True))
-    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
-    out = sum(o.float() * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts)
-    return out.to(query.dtype).transpose(1, 2).contiguous()
+        out, part = _attend_lse(query, kb, vb, scale, causal=False)
+        both = torch.logaddexp(lse, part)
+        acc = acc * torch.exp(lse - both)[..., None] + out.float() * torch.exp(part - both)[..., None]
+        lse = both
+    return acc.to(query.dtype).transpose(1, 2).contiguous()
 
 
 def _attend_lse(q, k, v, scale: float, causal: bool):

@@ -71,6 +71,27 @@ def assign_slots(ids, slot_of, page_of, stamp, pos, page_size: int, counters=Non
     return slots, fetch
 
 
+class _Mapped:
+    """A host tensor seen from the device: Triton takes any object with `data_ptr()` and `dtype`, and resolves a
+    page-locked host address to its device alias (unified virtual addressing); this keeps a CPU tensor from being
+    taken for a device one by any check on `.device`."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def _mapped(t: torch.Tensor, device: torch.device):
+    """`t` as a kernel argument for a launch on `device`: itself, or a `_Mapped` host tensor for a CUDA launch."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t
+    if not t.is_pinned():
+        raise ValueError("host K/V read by a CUDA kernel must be page-locked (pinned or cudaHostRegister'd)")
+    return _Mapped(t)
+
+
 def _check_fetch(host_k, host_v, tail_k, tail_v, valid, ids, slots, fetch, pool_k, pool_v, pool_valid, pos,
                  page_size):
     B, H, C, D = host_k.shape
@@ -208,7 +229,7 @@ def fetch_pages(host_k, host_v, tail_k, tail_v, valid, ids, slots, fetch, pool_k
     valid_u8, pvalid_u8, fetch_u8 = valid.view(torch.uint8), pool_valid.view(torch.uint8), fetch.view(torch.uint8)
     pk, pv = pool_k[:, 0], pool_v[:, 0]
     _fetch_pages_kernel[(B * H, K)](
-        host_k, host_v, tail_k, tail_v, valid_u8, ids, slots, fetch_u8, pk, pv, pvalid_u8, pos,
+        _mapped(host_k, ids.device), _mapped(host_v, ids.device), tail_k, tail_v, valid_u8, ids, slots, fetch_u8, pk, pv, pvalid_u8, pos,
         *host_k.stride(), *host_v.stride(), *tail_k.stride(), *tail_v.stride(), *valid_u8.stride(),
         *ids.stride(), *pk.stride(), *pv.stride(), *pvalid_u8.stride(),
         H, C, window,
@@ -281,7 +302,7 @@ def write_token_at(host_k, host_v, tail_k, tail_v, k_new, v_new, pos) -> None:
     kn, vn = k_new[:, :, 0], v_new[:, :, 0]
     Dv = host_v.shape[3]
     _write_token_kernel[(B * H,)](
-        host_k, host_v, tail_k, tail_v, kn, vn, pos,
+        _mapped(host_k, k_new.device), _mapped(host_v, k_new.device), tail_k, tail_v, kn, vn, pos,
         *host_k.stride(), *host_v.stride(), *tail_k.stride(), *tail_v.stride(), *kn.stride(), *vn.stride(),
         H, PAGE=S, D=D, DV=Dv, BLOCK_D=max(16, next_pow2(D)), BLOCK_DV=max(16, next_pow2(Dv)), num_warps=1,
     )
