@@ -70,6 +70,21 @@ def peaks(device) -> dict:
                 peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30)
 
 
+def fixed_device_gib(model, L: int, cfg: QuestConfig, weights_gib: float) -> float:
+    """What an offloaded run keeps on the GPU whatever the prompt's activations: weights, the dense layers' K/V, every
+    layer's bounds and valid slots, the sparse layers' pools (default size as the library picks it)."""
+    c = model.config
+    n, H, D = c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    S, elt, tokens = cfg.page_size, 2, L + 2 * cfg.page_size
+    dense = sum(cfg.is_dense(i) for i in range(n))
+    group = c.num_attention_heads // H
+    pool = cfg.offload_pages or 2 * (cfg.num_pages + 1) * (group if cfg.gqa_mode == "union" else 1)
+    kv_dense = dense * tokens * H * D * 2 * elt
+    bounds = n * (tokens // S) * H * D * 2 * elt + n * tokens
+    pools = (n - dense) * (pool + 1) * S * H * D * 2 * elt
+    return weights_gib + (kv_dense + bounds + pools) / 2**30
+
+
 def prompt(model, L: int, device) -> torch.Tensor:
     g = torch.Generator(device).manual_seed(L)
     return torch.randint(1, model.config.vocab_size, (1, L), device=device, generator=g)
@@ -189,6 +204,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default=None)
     p.add_argument("--tiny", action="store_true", help="a tiny model and short contexts (a CPU smoke run)")
+    p.add_argument("--force", action="store_true",
+                   help="run a capped offload row even when its fixed device memory (weights, dense layers' K/V, "
+                        "bounds, pools) exceeds the cap (default: skipped with the estimate)")
     p.add_argument("--out", default=None, help="JSON path; a .md beside it (default results/bench_offload/)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -215,7 +233,8 @@ def main(argv=None):
     if "cap" in rows_out:
         L = args.cap_length
         ids = prompt(model, L, device)
-        log(f"row cap: {L} tokens under {args.cap_gib} GiB")
+        log(f"row cap: {L} tokens under {args.cap_gib} GiB (offload's fixed device memory "
+            f"{fixed_device_gib(model, L, QuestConfig(**off), weights):.2f} GiB)")
         set_cap(device, args.cap_gib)
         try:
             r_off = quest_run(model, ids, QuestConfig(**off), args, device, "quest_offload")
@@ -239,8 +258,16 @@ def main(argv=None):
         set_cap(device, args.cap_gib)
         try:
             for L in args.lengths:
-                log(f"row longest: {L} tokens under {args.cap_gib} GiB")
+                need = fixed_device_gib(model, L, QuestConfig(**off), weights)
+                log(f"row longest: {L} tokens under {args.cap_gib} GiB (fixed device memory {need:.2f} GiB)")
+                if device.type == "cuda" and need > args.cap_gib and not args.force:
+                    rows.append(dict(row="longest", method="quest_offload", length=L, cap_gib=args.cap_gib,
+                                     error=f"skipped: fixed device memory {need:.2f} GiB > cap (try --dense-layers 0 "
+                                           "--pool-pages with one step's selection, or --page-size 32; --force)"))
+                    log(f"  {rows[-1]['error']}")
+                    break
                 r = quest_run(model, prompt(model, L, device), QuestConfig(**off), args, device, "quest_offload")
+                r["fixed_device_gib"] = need
                 r["row"], r["cap_gib"] = "longest", args.cap_gib if device.type == "cuda" else None
                 rows.append(r)
                 if "error" in r:
