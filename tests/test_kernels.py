@@ -239,6 +239,57 @@ def test_topk_matches_reference(B, R, P, k, group, ties, dead):
             assert len(left) == 0 or len(taken) == 0 or taken.max() < left.min()
 
 
+def _adversarial_rows(kind, B, R, P, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(B, R, P, generator=g)
+    if kind == "ties":
+        s = s.round()
+    elif kind == "negative":
+        s = -s.abs()
+    elif kind == "denormal":
+        s = s * 1e-40  # the row's span is denormal: its scale overflows
+    elif kind == "huge-spread":
+        s[..., ::2] *= 3e38  # the span overflows fp32
+    elif kind == "inf-beyond-k":
+        s[..., : k + 3] = float("inf")  # the k-th pick is an +inf page
+    elif kind == "all-equal":
+        s = torch.full_like(s, 0.25)
+    elif kind == "close":  # thousands of distinct scores inside one 16-bit rank bucket of the row's range
+        s = 1.0 + torch.randint(0, 64, (B, R, P), generator=g) * 2.0 ** -23
+        s[..., 0] = 1e6
+    s.masked_fill_(torch.rand(B, 1, P, generator=g) < 0.2, float("-inf"))
+    s[..., -1] = float("inf")
+    return s.to(DEV)
+
+
+@pytest.mark.parametrize("kind", ["ties", "negative", "denormal", "huge-spread", "inf-beyond-k", "all-equal", "close"])
+@pytest.mark.parametrize("rank_bits", [2, 16])
+@pytest.mark.parametrize("B,R,P,k,group,split", [(2, 4, 300, 20, 1, True), (1, 4, 257, 33, 4, True),
+                                                 (1, 4, 257, 33, 4, False)])
+def test_topk_ranked_search_chooses_the_32_bit_searchs_pages(kind, rank_bits, B, R, P, k, group, split):
+    # Ranking by quantised scores first must give exactly the pages (ties: lowest ids) of the search over the
+    # scores' own bits; rank_bits=2 puts the k-th pick inside a shared bucket nearly always (the exact bucket search).
+    from triton_kernels import topk as topk_mod
+
+    s = _adversarial_rows(kind, B, R, P, k, seed=P + rank_bits)
+    ranked = tk.topk_pages(s.clone(), k, group, launch=topk_mod.TopKLaunch(rank_bits=rank_bits, split_union=split))
+    plain = tk.topk_pages(s.clone(), k, group, launch=topk_mod.TopKLaunch(rank_bits=0, split_union=split))
+    assert torch.equal(ranked, plain)
+    if group == 1:  # (a union's size depends on how each row broke its ties, which the reference does its own way)
+        want = tk.topk_pages_ref(s, k, group)
+        assert torch.equal((ranked < 0).sum(-1), (want < 0).sum(-1))
+        chosen = s.gather(-1, ranked.long().clamp(min=0)).masked_fill(ranked < 0, 0.0).sort(-1).values
+        best = s.gather(-1, want.long().clamp(min=0)).masked_fill(want < 0, 0.0).sort(-1).values
+        assert torch.equal(chosen, best)  # the same scores chosen
+
+
+def test_topk_launch_rejects_odd_rank_bits():
+    from triton_kernels import topk as topk_mod
+
+    with pytest.raises(ValueError, match="rank_bits must be 0 or even"):
+        topk_mod.TopKLaunch(rank_bits=15)
+
+
 @pytest.mark.parametrize("B,R,P,k,group,ties", [(1, 4, 700, 40, 4, False), (2, 2, 1000, 300, 1, True),
                                                  (1, 3, 333, 333, 3, False)])
 def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch):

@@ -85,7 +85,9 @@ class AttentionLaunch:
     """How `sparse_decode_attention` launches; the defaults were picked on an H200 (benchmarks/kernels/NOTES.md).
 
     block_n: tokens per inner step (2 pages of 16): a 32 x 128 fp16 K tile and V tile are 16 KB in flight; picked
-        among 32..128 tokens, 2..8 warps, 2..8 programs per SM, with num_warps.
+        among 32..128 tokens, 2..8 warps, 2..8 programs per SM, with num_warps. Round 8 (benchmarks/kernels/round8/
+        tune_r8.json): 2 warps beat 4 by 3-9% in every configuration timed (7B/8B, 32K/128K, B 1/8); 16-token steps
+        and 8-32 programs per SM did not help.
     num_stages: software-pipelining depth of the K/V tile loads: 3 beat 1, 2 and 4 (2 with 64-token tiles won at
         MHA and lost at GQA; benchmarks/kernels/round6/r6_tune_stages.json).
     programs_per_sm: programs per SM aimed at when splitting the page list (flash-decoding): enough to hide HBM
@@ -97,7 +99,7 @@ class AttentionLaunch:
     """
 
     block_n: int = 32
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
     programs_per_sm: int = 4
     fuse_merge_max_splits: int = 4

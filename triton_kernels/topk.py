@@ -54,14 +54,16 @@ class TopKLaunch:
     split_union: unions of group > 1 rows in two launches (each row's threshold by its own program, then one
         program per group writes the union); False: one launch.
     block_p / num_warps: force the one-launch kernel's tile width / warps (benchmarks; None: derived).
-    radix_bits: bits of the threshold settled per pass. 2: three packed counts, one block reduction a pass (any
-        group); 4 or 8: a histogram of the next digit (`tl.histogram`), for one row a program (group 1 and the
-        split union's first launch; unions in one launch keep 2).
+    rank_bits: rows held in one tile are first ranked by a `rank_bits`-bit quantisation of their finite scores over
+        the row's own range (monotonic, so the pages it ranks above the k-th bucket are exactly the best ones): a
+        radix search over 16 bits instead of up to 32; only a row whose k-th pick falls inside a bucket it does
+        not take whole then searches that bucket's exact keys. 0: search the scores' 32 bits directly (the
+        tiled path always does). Even, 2..30.
     """
 
     def __post_init__(self):
-        if self.radix_bits not in (2, 4, 8):
-            raise ValueError(f"radix_bits must be 2, 4 or 8, got {self.radix_bits}")
+        if self.rank_bits and (self.rank_bits % 2 or not 2 <= self.rank_bits <= 30):
+            raise ValueError(f"rank_bits must be 0 or even in [2, 30], got {self.rank_bits}")
 
     max_tile: int = 32768
     keys_per_thread: int = 16
@@ -70,12 +72,13 @@ class TopKLaunch:
     split_union: bool = True
     block_p: int | None = None
     num_warps: int | None = None
-    radix_bits: int = 2
+    rank_bits: int = 16
 
 
 TOPK_LAUNCH = TopKLaunch()
 # -inf pages are never chosen; INT_MIN is no real key (it would be a NaN) and marks lanes past P.
 NEG_INF_KEY = tl.constexpr(-2139095041)  # _order_key(-inf)
+POS_INF_KEY = tl.constexpr(2139095040)  # _order_key(+inf)
 INT_MIN = tl.constexpr(-2147483648)
 INT_MAX = tl.constexpr(2147483647)
 
@@ -106,27 +109,98 @@ def _counts_ge(b_key, t1, t2, t3):
 
 
 @triton.jit
+def _key_float(key):
+    # The inverse of _order_key (it is its own inverse on the bit pattern), as fp32.
+    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _prefix_start(i_min, i_max, m_search):
+    """Start of a radix search for the keys in [i_min, i_max]: the common prefix of the two (i_lo) and the bits
+    below it still to settle (i_shift, whole 2-bit digits); rows not searching (m_search false) get (-inf, 0)."""
+    i_diff = i_min ^ i_max
+    # Bit length of the difference from its float exponent (rounding up only over-estimates it: harmless),
+    # rounded up to whole 2-bit digits; keys of both signs (negative xor) search all 32 bits.
+    i_len = ((i_diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
+    i_len = tl.where(i_diff == 0, 0, i_len)
+    i_shift = tl.where(i_diff < 0, 32, tl.minimum((i_len + 1) // 2 * 2, 32))
+    i_sh = tl.minimum(i_shift, 30)
+    i_lo = tl.where(i_shift >= 32, INT_MIN, (i_max >> i_sh) << i_sh)
+    return tl.where(m_search, i_lo, NEG_INF_KEY), tl.where(m_search, i_shift, 0)
+
+
+@triton.jit
+def _radix_tile(b_key, i_lo, i_shift, i_cnt, KK):
+    """Radix search, 2 bits a pass, over one tile `b_key [G, N]` held in registers, every row in the same passes:
+    the KK-th largest key T of each row stays in [i_lo, i_lo + 2^i_shift); `i_cnt` keys are >= i_lo. A row stops
+    as soon as exactly KK keys are >= i_lo (then every key >= i_lo is chosen). Returns (i_lo, i_cnt)."""
+    while tl.max(i_shift, axis=0) > 0:
+        m_act = i_shift > 0
+        i_s = tl.maximum(i_shift - 2, 0)
+        # Wrapping int32 arithmetic: i_lo + 3 << i_s stays below i_lo + 2^i_shift <= 2^31.
+        i_pack = _counts_ge(b_key, i_lo + (1 << i_s), i_lo + (2 << i_s), i_lo + (3 << i_s))
+        c1 = (i_pack & 0xFFFF).to(tl.int32)
+        c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
+        c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
+        # Counts fall with the threshold; the digit is the last one still holding KK keys.
+        i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
+        c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
+        i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
+        i_cnt = tl.where(m_act, c_new, i_cnt)
+        i_shift = tl.where(m_act & (c_new != KK), i_s, 0)
+    return i_lo, i_cnt
+
+
+@triton.jit
+def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr):
+    """Each row's KK-th largest key T of one tile `b_key [G, N]` (rows with at most KK finite keys: -inf), searched
+    first on ranks: `rank = floor((score - lo) * (2^RANK_BITS - 2) / (hi - lo))` over the row's finite scores in
+    [lo, hi], +inf -> 2^RANK_BITS - 1, -inf and padding -> -1. The map never decreases, so keys of a higher rank are
+    higher keys: every key ranked above the KK-th pick's bucket is chosen, none below it, and only a row taking
+    part of that bucket searches its exact keys (rare at 16 bits: a bucket is ~2^-14 of the row's range)."""
+    Q_TOP: tl.constexpr = (1 << RANK_BITS) - 1
+    m_fin = b_key > NEG_INF_KEY
+    m_real = m_fin & (b_key < POS_INF_KEY)
+    i_hi = tl.max(tl.where(m_real, b_key, INT_MIN), axis=1)
+    f_lo = _key_float(i_min)
+    span = _key_float(i_hi) - f_lo
+    scale = (Q_TOP - 1) / tl.where(i_hi > i_min, span, 1.0)
+    # No spread, an overflowing span or a denormal one: every finite key in rank 0 (the bucket search decides).
+    scale = tl.where((i_hi > i_min) & (span < float("inf")) & (scale < float("inf")), scale, 0.0)
+    b_r = tl.minimum(tl.maximum((_key_float(b_key) - f_lo[:, None]) * scale[:, None], 0.0), Q_TOP - 1.0)
+    b_rank = tl.where(m_real, b_r.to(tl.int32), tl.where(m_fin, Q_TOP, -1))
+    r_lo, r_cnt = _radix_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK)
+    # Rows taking the whole of rank r_lo and above (exactly KK keys): T is the least of those keys.
+    i_lo = tl.min(tl.where(m_fin & (b_rank >= r_lo[:, None]), b_key, INT_MAX), axis=1)
+    m_part = m_search & (r_cnt > KK)
+    if tl.max(m_part.to(tl.int32), axis=0) > 0:
+        c_gt = tl.sum((b_rank > r_lo[:, None]).to(tl.int32), axis=1)
+        b_bucket = tl.where(m_part[:, None] & (b_rank == r_lo[:, None]), b_key, INT_MIN)
+        i_bmax = tl.max(b_bucket, axis=1)
+        i_bmin = tl.min(tl.where(b_bucket > INT_MIN, b_bucket, INT_MAX), axis=1)
+        b_lo, b_shift = _prefix_start(i_bmin, i_bmax, m_part)
+        b_lo, _ = _radix_tile(b_bucket, b_lo, b_shift, r_cnt - c_gt, KK - c_gt)
+        i_lo = tl.where(m_part, b_lo, i_lo)
+    return tl.where(m_search, i_lo, NEG_INF_KEY)
+
+
+@triton.jit
 def _topk_rows(
     p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, RADIX: tl.constexpr,
+    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr,
 ):
     """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded to K_OUT at `p_out`."""
-    if RADIX > 2:  # one row (the launcher passes RADIX > 2 only with GROUP == 1)
-        t_lo, t_need, t_key = _row_threshold_hist(p_rows, stride_sp, P, KK, BLOCK_P, SINGLE_TILE, RADIX)
-        i_lo = tl.zeros([1], dtype=tl.int32) + t_lo
-        i_need = tl.zeros([1], dtype=tl.int32) + t_need
-        b_key1 = t_key[None, :]
-    else:
-        i_lo, i_need, b_key1 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P,
-                                               SINGLE_TILE)
+    i_lo, i_need, b_key1 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE,
+                                           RANK_BITS)
     _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
                 GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
 
 
 @triton.jit
 def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
-                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr):
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+                    RANK_BITS: tl.constexpr):
     """Per row of the GROUP at `p_rows`: its KK-th largest key T and how many keys equal to T it takes (after
     all keys above T); and, with SINGLE_TILE, the [GROUP_PAD, BLOCK_P] keys (else a placeholder)."""
     o_r = tl.arange(0, GROUP_PAD)
@@ -153,42 +227,34 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
             i_max = tl.maximum(i_max, tl.max(b_key, axis=1))
             i_min = tl.minimum(i_min, tl.min(tl.where(m_fin, b_key, INT_MAX), axis=1))
     m_search = n_fin > KK
-    i_diff = i_min ^ i_max
-    # Bit length of the difference from its float exponent (rounding up only over-estimates it: harmless),
-    # rounded up to whole 2-bit digits; keys of both signs (negative xor) search all 32 bits.
-    i_len = ((i_diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
-    i_len = tl.where(i_diff == 0, 0, i_len)
-    i_shift = tl.where(i_diff < 0, 32, tl.minimum((i_len + 1) // 2 * 2, 32))
-    i_sh = tl.minimum(i_shift, 30)
-    i_lo = tl.where(i_shift >= 32, INT_MIN, (i_max >> i_sh) << i_sh)
-    i_lo = tl.where(m_search, i_lo, NEG_INF_KEY)
-    i_shift = tl.where(m_search, i_shift, 0)
-    i_cnt = n_fin  # keys >= i_lo, or fewer when i_lo = INT_MIN (only ever compared with KK, which it exceeds)
-
-    # (b) Radix search, 2 bits a pass, every row in the same passes: T stays in [i_lo, i_lo + 2^i_shift).
-    #     A row stops as soon as exactly KK keys are >= i_lo (then every key >= i_lo is chosen).
-    while tl.max(i_shift, axis=0) > 0:
-        m_act = i_shift > 0
-        i_s = tl.maximum(i_shift - 2, 0)
-        # Wrapping int32 arithmetic: i_lo + 3 << i_s stays below i_lo + 2^i_shift <= 2^31.
-        t1 = i_lo + (1 << i_s)
-        t2 = i_lo + (2 << i_s)
-        t3 = i_lo + (3 << i_s)
+    if SINGLE_TILE and RANK_BITS > 0:
+        i_lo = _ranked_threshold(b_key1, n_fin, i_min, m_search, KK, RANK_BITS)
+    else:
+        i_lo, i_shift = _prefix_start(i_min, i_max, m_search)
+        # keys >= i_lo, or fewer when i_lo = INT_MIN (only ever compared with KK, which it exceeds)
+        i_cnt = n_fin
         if SINGLE_TILE:
-            i_pack = _counts_ge(b_key1, t1, t2, t3)
+            i_lo, i_cnt = _radix_tile(b_key1, i_lo, i_shift, i_cnt, KK)
         else:
-            i_pack = tl.zeros([GROUP_PAD], dtype=tl.int64)
-            for i_p0 in range(0, P, BLOCK_P):
-                i_pack += _counts_ge(_load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P), t1, t2, t3)
-        c1 = (i_pack & 0xFFFF).to(tl.int32)
-        c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
-        c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
-        # Counts fall with the threshold; the digit is the last one still holding KK keys.
-        i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
-        c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
-        i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
-        i_cnt = tl.where(m_act, c_new, i_cnt)
-        i_shift = tl.where(m_act & (c_new != KK), i_s, 0)
+            # (b) Radix search, 2 bits a pass, every row in the same passes, re-reading the tiles each pass.
+            while tl.max(i_shift, axis=0) > 0:
+                m_act = i_shift > 0
+                i_s = tl.maximum(i_shift - 2, 0)
+                t1 = i_lo + (1 << i_s)
+                t2 = i_lo + (2 << i_s)
+                t3 = i_lo + (3 << i_s)
+                i_pack = tl.zeros([GROUP_PAD], dtype=tl.int64)
+                for i_p0 in range(0, P, BLOCK_P):
+                    i_pack += _counts_ge(_load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P),
+                                         t1, t2, t3)
+                c1 = (i_pack & 0xFFFF).to(tl.int32)
+                c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
+                c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
+                i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
+                c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
+                i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
+                i_cnt = tl.where(m_act, c_new, i_cnt)
+                i_shift = tl.where(m_act & (c_new != KK), i_s, 0)
 
     # (c) How many keys equal to T each row still needs after all keys above it.
     if SINGLE_TILE:
@@ -199,82 +265,6 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
             b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
             i_gt += tl.sum((b_key > i_lo[:, None]).to(tl.int32), axis=1)
     return i_lo, KK - i_gt, b_key1
-
-
-@triton.jit
-def _hist_digit(b_key, i_lo, i_s, RADIX: tl.constexpr):
-    """Histogram of digit `(key - i_lo) >> i_s` (RADIX bits) over the finite keys in `[i_lo, i_lo + 2^(i_s+RADIX))`;
-    every other key goes to the spare bin NB (the histogram has 2 NB bins: no mask argument needed)."""
-    NB: tl.constexpr = 1 << RADIX
-    b_d = ((b_key - i_lo).to(tl.uint32, bitcast=True) >> i_s.to(tl.uint32)).to(tl.int32)
-    m_in = (b_key >= i_lo) & (b_key > NEG_INF_KEY) & (b_d < NB)
-    return tl.histogram(tl.where(m_in, b_d, NB), 2 * NB)
-
-
-@triton.jit
-def _row_threshold_hist(p_row, stride_sp, P, KK, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-                        RADIX: tl.constexpr):
-    """`_row_thresholds` for one row, RADIX bits a pass: a histogram of the next digit gives the count of keys at
-    or above each of its 2^RADIX values at once (keys >= i_lo less those in lower bins). Returns scalars (T, ties
-    to take) in `_pick_union`'s terms, and the row's keys (SINGLE_TILE)."""
-    NB: tl.constexpr = 1 << RADIX
-    o_n = tl.arange(0, BLOCK_P)
-    o_b = tl.arange(0, 2 * NB)
-    if SINGLE_TILE:
-        b_key1 = _load_keys(p_row, tl.arange(0, 1), o_n, 0, stride_sp, 1, P).reshape(BLOCK_P)
-        m_fin = b_key1 > NEG_INF_KEY
-        n_fin = tl.sum(m_fin.to(tl.int32), axis=0)
-        i_max = tl.max(b_key1, axis=0)
-        i_min = tl.min(tl.where(m_fin, b_key1, INT_MAX), axis=0)
-    else:
-        b_key1 = tl.zeros([BLOCK_P], dtype=tl.int32)  # unused: the tiles are re-read
-        n_fin = tl.zeros([], dtype=tl.int32)
-        i_max = tl.zeros([], dtype=tl.int32) + INT_MIN
-        i_min = tl.zeros([], dtype=tl.int32) + INT_MAX
-        for i_p0 in range(0, P, BLOCK_P):
-            b_key = _load_keys(p_row, tl.arange(0, 1), i_p0 + o_n, 0, stride_sp, 1, P).reshape(BLOCK_P)
-            m_fin = b_key > NEG_INF_KEY
-            n_fin += tl.sum(m_fin.to(tl.int32), axis=0)
-            i_max = tl.maximum(i_max, tl.max(b_key, axis=0))
-            i_min = tl.minimum(i_min, tl.min(tl.where(m_fin, b_key, INT_MAX), axis=0))
-    m_search = n_fin > KK
-    i_diff = i_min ^ i_max
-    i_len = ((i_diff.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
-    i_len = tl.where(i_diff == 0, 0, i_len)
-    i_shift = tl.where(i_diff < 0, 32, tl.minimum((i_len + RADIX - 1) // RADIX * RADIX, 32))
-    i_sh = tl.minimum(i_shift, 31)
-    i_lo = tl.where(i_shift >= 32, INT_MIN, (i_max >> i_sh) << i_sh)
-    i_lo = tl.where(m_search, i_lo, NEG_INF_KEY)
-    i_shift = tl.where(m_search, i_shift, 0)
-    i_cnt = n_fin  # finite keys >= i_lo
-    i_need = tl.zeros([], dtype=tl.int32)  # rows that take every finite key (no search) need no ties
-    while i_shift > 0:
-        i_s = i_shift - RADIX
-        if SINGLE_TILE:
-            b_hist = _hist_digit(b_key1, i_lo, i_s, RADIX)
-        else:
-            b_hist = tl.zeros([2 * NB], dtype=tl.int32)
-            for i_p0 in range(0, P, BLOCK_P):
-                b_key = _load_keys(p_row, tl.arange(0, 1), i_p0 + o_n, 0, stride_sp, 1, P).reshape(BLOCK_P)
-                b_hist += _hist_digit(b_key, i_lo, i_s, RADIX)
-        b_hist = tl.where(o_b < NB, b_hist, 0)
-        b_ge = i_cnt - (tl.cumsum(b_hist, axis=0) - b_hist)  # finite keys >= i_lo + (bin << i_s), per bin
-        # Counts fall with the bin; the digit is the last bin still holding KK keys (bin 0 holds i_cnt >= KK).
-        i_digit = tl.sum(((o_b >= 1) & (o_b < NB) & (b_ge >= KK)).to(tl.int32), axis=0)
-        c_new = tl.sum(tl.where(o_b == i_digit, b_ge, 0), axis=0)
-        n_eq = tl.sum(tl.where(o_b == i_digit, b_hist, 0), axis=0)
-        i_lo = i_lo + (i_digit << i_s)  # wrapping int32, as in _row_thresholds
-        i_cnt = c_new
-        if c_new == KK:  # exactly KK keys >= i_lo: take them all (T just below i_lo, no ties)
-            i_lo = i_lo - 1
-            i_need = i_need * 0
-            i_shift = i_s * 0
-        elif i_s == 0:  # i_lo is the KK-th key itself: take the keys above it and the lowest-index ties
-            i_need = KK - (c_new - n_eq)
-            i_shift = i_s * 0
-        else:
-            i_shift = i_s
-    return i_lo, i_need, b_key1
 
 
 @triton.jit
@@ -319,33 +309,28 @@ def _topk_pages_kernel(
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, RADIX: tl.constexpr,
+    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr,
 ):
     i_bg = tl.program_id(0).to(tl.int64)
     i_b = i_bg // R_OUT
     i_g = i_bg % R_OUT
     _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
                stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST,
-               RADIX)
+               RANK_BITS)
 
 
 @triton.jit
 def _topk_thresholds_kernel(
     s_ptr, thr_ptr, need_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
-    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RADIX: tl.constexpr,
+    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr,
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group)."""
     i_row = tl.program_id(0).to(tl.int64)
-    p_row = s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr
-    if RADIX > 2:
-        t_lo, t_need, _ = _row_threshold_hist(p_row, stride_sp, P, KK, BLOCK_P, SINGLE_TILE, RADIX)
-        tl.store(thr_ptr + i_row, t_lo)
-        tl.store(need_ptr + i_row, t_need)
-    else:
-        i_lo, i_need, _ = _row_thresholds(p_row, stride_sr, stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE)
-        o_1 = tl.arange(0, 1)
-        tl.store(thr_ptr + i_row + o_1, i_lo)
-        tl.store(need_ptr + i_row + o_1, i_need)
+    i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr, stride_sp,
+                                      P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS)
+    o_1 = tl.arange(0, 1)
+    tl.store(thr_ptr + i_row + o_1, i_lo)
+    tl.store(need_ptr + i_row + o_1, i_need)
 
 
 @triton.jit
@@ -410,7 +395,7 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        RADIX=launch.radix_bits if group == 1 else 2, num_warps=launch.num_warps or warps,
+        RANK_BITS=launch.rank_bits, num_warps=launch.num_warps or warps,
     )
     return out
 
@@ -422,7 +407,7 @@ def _split_union(scores, out, k, group, launch):
     block_p, warps, single = launch_config(P, 1, launch)
     _topk_thresholds_kernel[(B * R,)](
         scores, thr, need, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
-        BLOCK_P=block_p, SINGLE_TILE=single, RADIX=launch.radix_bits, num_warps=warps,
+        BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, num_warps=warps,
     )
     block_p, warps, single = launch_config(P, group, launch)
     _topk_union_kernel[(B * (R // group),)](

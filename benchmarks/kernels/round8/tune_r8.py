@@ -20,8 +20,10 @@ from triton_kernels import topk as topk_mod  # noqa: E402
 CASES = [("llama2-7b", 32768, 1, "union"), ("llama2-7b", 131072, 1, "union"), ("llama3-8b", 32768, 1, "union"),
          ("llama3-8b", 32768, 1, "max"), ("llama3-8b", 131072, 1, "union"), ("llama2-7b", 32768, 8, "union"),
          ("llama3-8b", 32768, 8, "union")]
-TOPK = [dict(radix_bits=b) for b in (2, 4, 8)] + [dict(radix_bits=b, split_union=False) for b in (2,)]
-ATTN = [dict(programs_per_sm=p, block_n=n, num_warps=w) for p in (4, 8, 16, 32) for n in (16, 32) for w in (2, 4)]
+# Run 1 (tune_r8.json, commit 65bb1e9) timed radix_bits 2 / 4 / 8 (a tl.histogram of 4 or 8 bits a pass: slower
+# everywhere, removed) and 16 attention launches; run 2 (tune_r8_2.json) times the rank-first search.
+TOPK = [dict(rank_bits=b) for b in (0, 12, 16, 20)] + [dict(rank_bits=b, split_union=False) for b in (0, 16)]
+ATTN = [dict(programs_per_sm=p, block_n=32, num_warps=w) for p in (4, 8) for w in (2, 4)]
 
 
 def main():
