@@ -489,9 +489,9 @@ class QuestCache(Cache):
     def copy(self, config: QuestConfig | None = None) -> QuestCache:
         """An independent copy (tensors included), optionally under another config with the same page_size:
         one dense prefill can then be decoded under many budgets or policies."""
-        if self.quest_config.offload is not None:
-            raise NotImplementedError("QuestCache.copy does not copy an offloaded cache (its host pages are "
-                                      "page-locked): prefill a new cache instead")
+        if self.quest_config.offload is not None or (config is not None and config.offload is not None):
+            raise NotImplementedError("QuestCache.copy does not copy to or from an offloaded cache (offload='cpu': "
+                                      "its host pages are page-locked): prefill a new cache instead")
         new = _copy.deepcopy(self)
         if config is not None:
             if config.page_size != self.quest_config.page_size:

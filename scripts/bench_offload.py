@@ -14,6 +14,8 @@ capture). Rows (`--rows`, any subset, in this order):
            forwards timed; then the all-GPU Quest path WITHOUT the cap, same settings: its tokens against offload's
   longest  each of `--lengths` (256K, 512K) under the cap, offload: ms/token, peak; stops at the first that fails
   nocap    without the cap, offload vs the all-GPU captured path at each of `--nocap-lengths` (32K, 128K)
+  pools    without the cap at `--cap-length`, LRU eviction with pools of `--pool-factors` x one step's selection:
+           hit rate, MB per step, ms/token (the default pool is 2x)
 
 One GPU call is limited to 10 minutes: run the rows in separate calls (progress lines carry timestamps).
 
@@ -21,6 +23,7 @@ One GPU call is limited to 10 minutes: run the rows in separate calls (progress 
     python scripts/bench_offload.py --rows longest --lengths 262144             # ~4 min
     python scripts/bench_offload.py --rows longest --lengths 524288             # ~8 min
     python scripts/bench_offload.py --rows nocap                                # ~5 min
+    python scripts/bench_offload.py --rows pools                                # ~5 min
     python scripts/bench_offload.py --tiny                                      # CPU smoke run, every row
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ from quest_hf.bench import random_llama as build
 from quest_hf.offload import prefill
 from quest_hf.patch import cache_arg_name
 
-ROWS = ("cap", "longest", "nocap")
+ROWS = ("cap", "longest", "nocap", "pools")
 
 
 def log(msg: str) -> None:
@@ -188,6 +191,8 @@ def hf_offloaded(model, ids, args, device) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    p.add_argument("--pool-factors", type=float, nargs="+", default=[1, 2, 4, 8],
+                   help="the 'pools' row: pools of these multiples of one step's selection")
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--cap-gib", type=float, default=24.0, help="emulated card (GiB)")
     p.add_argument("--cap-length", type=int, default=131072)
@@ -218,7 +223,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if device.type == "cuda" or args.dtype != "float16" else torch.float32
     rows_out = args.rows
     out_path = args.out or str(results_dir("bench_offload") / f"offload_{'_'.join(rows_out)}.json")
-    longest = max([args.cap_length] * ("cap" in rows_out) + args.lengths * ("longest" in rows_out)
+    longest = max([args.cap_length] * bool({"cap", "pools"} & set(rows_out)) + args.lengths * ("longest" in rows_out)
                   + args.nocap_lengths * ("nocap" in rows_out))
     log(f"building {args.shape} ({dtype}) on {device}")
     model = build(args.shape, dtype, device, longest + args.new_tokens + 64)
@@ -287,6 +292,18 @@ def main(argv=None):
                 pair[0]["cost_vs_gpu"] = pair[0]["ms_per_token"] / pair[1]["ms_per_token"]
                 pair[0]["same_tokens_as_gpu"] = pair[0]["tokens"] == pair[1]["tokens"]
             rows.extend(pair)
+
+    if "pools" in rows_out:
+        L = args.cap_length
+        ids = prompt(model, L, device)
+        c = model.config
+        step = (args.budget // args.page_size + 1) * (c.num_attention_heads // c.num_key_value_heads)
+        for f in args.pool_factors:
+            pages = max(step, int(f * step))
+            log(f"row pools: {L} tokens, pool {pages} pages ({f}x one step's {step})")
+            r = quest_run(model, ids, QuestConfig(**dict(off, offload_pages=pages)), args, device, "quest_offload")
+            r["row"], r["cap_gib"], r["pool_pages"] = f"pools {f}x", None, pages
+            rows.append(r)
 
     report = dict(env=environment(device), args=vars(args), weights_gib=weights, rows=rows)
     lines = ["| row | method | context | cap GiB | ms/token | prefill s | peak GiB | hit rate | MB/step | notes |",

@@ -174,8 +174,14 @@ def test_beams_copy_and_batch_edits_refused(model, batch):
     cache = QuestCache.from_model(model)
     with torch.no_grad(), one_thread():
         model(ids, attention_mask=mask, **_arg(model, cache))
-    with pytest.raises(NotImplementedError, match="does not copy an offloaded cache"):
+    with pytest.raises(NotImplementedError, match="does not copy to or from an offloaded cache"):
         cache.copy()
+    patch_model(model, config=_cfg())
+    resident = QuestCache.from_model(model)
+    with torch.no_grad(), one_thread():
+        model(ids, attention_mask=mask, **_arg(model, resident))
+    with pytest.raises(NotImplementedError, match="does not copy to or from an offloaded cache"):
+        resident.copy(_cfg(offload="cpu"))
     with pytest.raises(NotImplementedError, match="does not serve batch edits"):
         cache.batch_repeat_interleave(2)
 
