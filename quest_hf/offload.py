@@ -77,6 +77,8 @@ class Pager:
                              f"or 'triton', not {layer.ops.name!r}")
         if dev.type not in ("cuda", "cpu"):
             raise ValueError(f"offload='cpu' serves layers on CUDA (or the CPU, for tests), not {dev.type}")
+        if dev.type == "cuda" and layer.keys is not None:
+            torch.cuda.synchronize(dev)  # growth copies the old host K/V on the CPU: the device's writes land first
         keys = torch.zeros(B, H, cap, D, dtype=dtype)  # zeros: no unwritten slot can leak NaN into a masked product
         values = torch.zeros(B, H, cap, Dv, dtype=dtype)
         if dev.type == "cuda":

@@ -186,6 +186,31 @@ def test_beams_copy_and_batch_edits_refused(model, batch):
         cache.batch_repeat_interleave(2)
 
 
+@pytest.mark.parametrize("family, overrides", [
+    pytest.param("mistral", dict(sliding_window=64), id="mistral-window-past-the-budget"),
+    pytest.param("mistral", {}, id="mistral-window-within-the-budget"),
+    pytest.param("gemma2", {}, id="gemma2-softcap-and-window"),
+])
+def test_families_offloaded_equal_resident(family, overrides):
+    # Sliding windows (folded into the pool's valid bits each step; a window within the budget decodes dense, also
+    # through the pool) and a logit soft-cap: the offloaded cache gives the resident cache's logits.
+    from .family_models import left_padded, tiny_family_model
+
+    model = tiny_family_model(family, layers=3, **overrides)
+    ids, mask = left_padded(lengths=(120, 100))
+    logits = {}
+    for offload in (None, "cpu"):
+        patch_model(model, config=_cfg(offload=offload))
+        with one_thread():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        logits[offload] = out.logits
+        if offload:
+            assert out.past_key_values.offload_stats["pages_fetched"] > 0
+    for a, b in zip(logits["cpu"], logits[None]):
+        assert torch.equal(a, b)
+
+
 def test_sinks_refused():
     from .family_models import left_padded, missing_reason, tiny_family_model
 
