@@ -28,9 +28,13 @@ import time
 import weakref
 
 import torch
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
 import triton_kernels.offload as tko
+
+from .attention import NAME
+from .binding import Bindings
 
 logger = logging.get_logger("quest_hf")
 
@@ -384,7 +388,12 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
     cache.prefill_mode = (f"blockwise over the past ({len(blockwise)} of {len(cache.layers)} layers)" if blockwise
                           else "sdpa over the whole past" + ("" if block else " (block=0)"))
     logits, t0 = None, time.perf_counter()
+    bindings = Bindings()
     try:
+        if len(blockwise) == len(cache.layers):
+            # No layer reads a later chunk's mask, and the first chunk (no past, no padding) is plain causal: skip
+            # HF's [chunk, past + chunk] mask (1 GiB a chunk of 8K at 128K), which would sit beside the blocks.
+            bindings.item(AttentionMaskInterface._global_mapping, NAME, _no_mask)
         for i in blockwise:
             cache.layers[i].prefill_block = block
         starts = list(range(0, T, chunk))
@@ -398,9 +407,16 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None 
             if progress is not None:
                 progress(e, T, time.perf_counter() - t0)
     finally:
+        bindings.restore()
         for layer in cache.layers:
             layer.prefill_block = 0
     return cache, logits
+
+
+def _no_mask(*args, **kwargs):
+    """The "quest" mask function while `prefill` runs a model whose every layer attends in blocks: no mask (SDPA
+    then runs the first chunk causally; later chunks ignore masks)."""
+    return None
 
 
 def _blockwise_layers(model, attention_mask) -> set[int]:

@@ -226,14 +226,29 @@ def test_sinks_refused():
 def test_blockwise_prefill(model):
     # An unpadded batch: chunks (not page-aligned) attend to the past in blocks (from the host when offloaded);
     # offloaded and resident caches prefilled so give the same logits bit for bit, close to one-shot prefill's.
+    from transformers.masking_utils import AttentionMaskInterface
+
     ids = torch.randint(2, 97, (2, 150), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
-    out = {}
+    out, masks = {}, []
     for offload in (None, "cpu"):
         patch_model(model, config=_cfg(offload=offload))
+        registered = AttentionMaskInterface._global_mapping["quest"]
+
+        def spy(*args, registered=registered, **kwargs):
+            masks.append(1)
+            return registered(*args, **kwargs)
+
+        AttentionMaskInterface._global_mapping["quest"] = spy
+        try:
+            with one_thread():
+                cache, logits = prefill(model, ids[:, :-1], mask[:, :-1], chunk=37, block=20,
+                                        max_length=ids.shape[1] + NEW)
+            assert not masks  # no [chunk, past] mask was built: every layer attends in blocks
+            assert AttentionMaskInterface._global_mapping["quest"] is spy  # put back
+        finally:
+            AttentionMaskInterface._global_mapping["quest"] = registered
         with one_thread():
-            cache, logits = prefill(model, ids[:, :-1], mask[:, :-1], chunk=37, block=20,
-                                    max_length=ids.shape[1] + NEW)
             assert cache.prefill_mode == "blockwise over the past (3 of 3 layers)"
             assert all(layer.prefill_block == 0 for layer in cache.layers)
             gen = model.generate(ids, attention_mask=mask, **_arg(model, cache), max_new_tokens=NEW, do_sample=False,
