@@ -53,6 +53,7 @@ def _register(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"quest-hf offload: cudaHostRegister of {size / 2**30:.2f} GiB failed ({err}): the host "
                            "may lack the memory to page-lock the K/V cache; use a shorter context")
     weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    t._page_locked = True  # what the kernels' launchers check (besides is_pinned())
     return t
 
 

@@ -35,7 +35,8 @@ def assign_slots(ids, slot_of, page_of, stamp, pos, page_size: int, counters=Non
     copied in (a miss, or the current page `(pos - 1) // S`, which changes every step). Needs `R >= K`: then the
     misses' slots are the oldest among those no hit of this step holds (hits are stamped with `pos` first, every
     other slot is older). `counters` int64 `[4]` (or None) accumulates: steps, hits, misses (both over chosen
-    pages other than the current one), pages fetched. Plain tensor ops on the device: no host sync.
+    pages other than the current one), pages fetched. Plain tensor ops on the device: no host sync. The ids of a
+    row must be distinct (the selection contract): two misses of one page would take two slots.
     """
     B, H, K = ids.shape
     P, R = slot_of.shape[2] - 1, page_of.shape[2] - 1
@@ -87,7 +88,7 @@ def _mapped(t: torch.Tensor, device: torch.device):
     """`t` as a kernel argument for a launch on `device`: itself, or a `_Mapped` host tensor for a CUDA launch."""
     if device.type != "cuda" or t.device.type == "cuda":
         return t
-    if not t.is_pinned():
+    if not (getattr(t, "_page_locked", False) or t.is_pinned()):
         raise ValueError("host K/V read by a CUDA kernel must be page-locked (pinned or cudaHostRegister'd)")
     return _Mapped(t)
 
