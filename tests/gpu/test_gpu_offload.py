@@ -90,7 +90,7 @@ def test_offloaded_equals_resident_32k_captured(pages):
         assert torch.equal(a, b)
     st = cache.offload_stats
     assert st["offloaded_layers"] == 2 and st["steps"] == 31 and st["misses"] > 0
-    assert cache.layers[2].keys.device.type == "cpu" and cache.layers[2].keys.is_pinned()
+    assert cache.layers[2].keys.device.type == "cpu" and cache.layers[2].keys._page_locked
     assert cache.layers[0].keys.device.type == "cuda"  # dense layers stay on the GPU
 
 
