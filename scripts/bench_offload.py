@@ -34,6 +34,7 @@ import gc
 import inspect
 import os
 import time
+import traceback
 
 import torch
 
@@ -120,6 +121,13 @@ def quest_run(model, ids, cfg: QuestConfig, args, device, label: str) -> dict:
     except torch.OutOfMemoryError as e:
         row["error"] = f"OOM: {str(e).splitlines()[0]}"
         log(f"  {label}: {row['error']}")
+        fresh(device)
+        return row
+    except Exception as e:  # noqa: BLE001 - one failing configuration is reported, the other rows still run
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        log(f"  {label}: {row['error']}")
+        traceback.print_exc()
+        fresh(device)
         return row
     intervals = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]
     steps = sorted(intervals[3:] if len(intervals) > 3 else intervals)  # after the eager step and the capture
@@ -188,6 +196,28 @@ def hf_offloaded(model, ids, args, device) -> dict:
     return row
 
 
+def save(out_path, args, device, dtype, weights, rows, notes) -> list[str]:
+    """Write the JSON and markdown report of the rows so far (after every row: a run cut short keeps them)."""
+    report = dict(env=environment(device), args=vars(args), weights_gib=weights, rows=rows)
+    lines = ["| row | method | context | cap GiB | ms/token | prefill s | peak GiB | hit rate | MB/step | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def fmt(k, f, r=r):
+            return (f % r[k]) if r.get(k) is not None else "-"
+
+        extra = [f"{k}={r[k]}" for k in ("same_tokens_as_gpu", "decode_path", "error") if k in r]
+        extra += [f"{k}={r[k]:.2f}" for k in ("speedup_vs_hf_offloaded", "cost_vs_gpu") if k in r]
+        lines.append(f"| {r['row']} | {r['method']} | {r['length']} | {fmt('cap_gib', '%g')} | "
+                     f"{fmt('ms_per_token', '%.2f')} | {fmt('prefill_s', '%.1f')} | "
+                     f"{fmt('peak_allocated_gib', '%.2f')} | "
+                     f"{fmt('hit_rate', '%.3f')} | {fmt('mb_per_step', '%.1f')} | {'; '.join(extra)} |")
+    notes = notes + [f"- {args.shape}, {dtype}, batch 1, budget {args.budget}, page {args.page_size}, dense layers "
+                     f"{args.dense_layers}, pool pages {args.pool_pages or 'default'}, weights {weights:.2f} GiB; "
+                     f"prefill chunks {args.chunk}, past blocks {args.block}; {args.new_tokens} new tokens"]
+    write_report(out_path, report, "Quest offload (#20)", notes, lines)
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
@@ -245,9 +275,11 @@ def main(argv=None):
             r_off = quest_run(model, ids, QuestConfig(**off), args, device, "quest_offload")
             r_off["row"], r_off["cap_gib"] = "cap", args.cap_gib if device.type == "cuda" else None
             rows.append(r_off)
+            save(out_path, args, device, dtype, weights, rows, notes)
             r_hf = hf_offloaded(model, ids, args, device)
             r_hf["row"], r_hf["cap_gib"] = "cap", args.cap_gib if device.type == "cuda" else None
             rows.append(r_hf)
+            save(out_path, args, device, dtype, weights, rows, notes)
         finally:
             set_cap(device, None)
         r_gpu = quest_run(model, ids, QuestConfig(**base), args, device, "quest_gpu")
@@ -275,6 +307,7 @@ def main(argv=None):
                 r["fixed_device_gib"] = need
                 r["row"], r["cap_gib"] = "longest", args.cap_gib if device.type == "cuda" else None
                 rows.append(r)
+                save(out_path, args, device, dtype, weights, rows, notes)
                 if "error" in r:
                     break
         finally:
@@ -292,6 +325,7 @@ def main(argv=None):
                 pair[0]["cost_vs_gpu"] = pair[0]["ms_per_token"] / pair[1]["ms_per_token"]
                 pair[0]["same_tokens_as_gpu"] = pair[0]["tokens"] == pair[1]["tokens"]
             rows.extend(pair)
+            save(out_path, args, device, dtype, weights, rows, notes)
 
     if "pools" in rows_out:
         L = args.cap_length
@@ -304,27 +338,12 @@ def main(argv=None):
             r = quest_run(model, ids, QuestConfig(**dict(off, offload_pages=pages)), args, device, "quest_offload")
             r["row"], r["cap_gib"], r["pool_pages"] = f"pools {f}x", None, pages
             rows.append(r)
+            save(out_path, args, device, dtype, weights, rows, notes)
 
-    report = dict(env=environment(device), args=vars(args), weights_gib=weights, rows=rows)
-    lines = ["| row | method | context | cap GiB | ms/token | prefill s | peak GiB | hit rate | MB/step | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        def fmt(k, f, r=r):
-            return (f % r[k]) if r.get(k) is not None else "-"
-
-        extra = [f"{k}={r[k]}" for k in ("same_tokens_as_gpu", "decode_path", "error") if k in r]
-        extra += [f"{k}={r[k]:.2f}" for k in ("speedup_vs_hf_offloaded", "cost_vs_gpu") if k in r]
-        lines.append(f"| {r['row']} | {r['method']} | {r['length']} | {fmt('cap_gib', '%g')} | "
-                     f"{fmt('ms_per_token', '%.2f')} | {fmt('prefill_s', '%.1f')} | "
-                     f"{fmt('peak_allocated_gib', '%.2f')} | "
-                     f"{fmt('hit_rate', '%.3f')} | {fmt('mb_per_step', '%.1f')} | {'; '.join(extra)} |")
-    notes += [f"- {args.shape}, {dtype}, batch 1, budget {args.budget}, page {args.page_size}, dense layers "
-              f"{args.dense_layers}, pool pages {args.pool_pages or 'default'}, weights "
-              f"{weights:.2f} GiB; prefill chunks {args.chunk}, past blocks {args.block}; {args.new_tokens} new tokens"]
-    write_report(out_path, report, "Quest offload (#20)", notes, lines)
+    lines = save(out_path, args, device, dtype, weights, rows, notes)
     print("\n".join(lines))
     log(f"wrote {out_path} and {os.path.splitext(out_path)[0]}.md")
-    return report
+    return rows
 
 
 if __name__ == "__main__":
