@@ -292,6 +292,28 @@ def test_chunked_prefill_and_crop(model, batch, resident):
     assert torch.equal(logits["cpu"], logits[None])
 
 
+def test_growth_keeps_decoding_exactly(model, batch):
+    # A cache sized for the prompt only grows at the first decode step (the host K/V move to a larger page-locked
+    # buffer, the page table is rebuilt, the pool emptied): still the resident cache's logits, step by step.
+    ids, mask = batch
+    logits = {}
+    for offload in (None, "cpu"):
+        patch_model(model, config=_cfg(offload=offload))
+        cache = QuestCache.from_model(model, ids.shape[1])
+        m, steps = mask, []
+        with one_thread(), torch.no_grad():
+            o = model(ids, attention_mask=m, **_arg(model, cache))
+            allocations = cache.layers[1].allocations
+            for _ in range(4):
+                m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
+                o = model(o.logits[:, -1:].argmax(-1), attention_mask=m, **_arg(model, cache))
+                steps.append(o.logits)
+        assert cache.layers[1].allocations > allocations  # it grew
+        logits[offload] = steps
+    for a, b in zip(logits["cpu"], logits[None]):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------ kernels and twins
 
 
