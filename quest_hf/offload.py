@@ -222,7 +222,8 @@ class Pager:
         self._ensure_pool(layer, K, G)
         triton = layer.ops.name == "triton"
         with _on(layer.device):
-            slots, fetch = tko.assign_slots(ids, self.slot_of, self.page_of, self.stamp, layer.pos, S, self.counters)
+            slots, fetch = (tko.assign_slots if triton else tko.assign_slots_ref)(
+                ids, self.slot_of, self.page_of, self.stamp, layer.pos, S, self.counters)
             (tko.fetch_pages if triton else tko.fetch_pages_ref)(
                 layer.keys, layer.values, self.tail_k, self.tail_v, layer.valid, ids, slots, fetch,
                 self.pool_k, self.pool_v, self.pool_valid, layer.pos, S, window)

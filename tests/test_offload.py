@@ -317,7 +317,9 @@ def test_growth_keeps_decoding_exactly(model, batch):
 # ------------------------------------------------------------------------------------------ kernels and twins
 
 
-def test_assign_slots_lru_by_hand():
+@pytest.mark.parametrize("assign", [pytest.param(tko.assign_slots_ref, id="ref"),
+                                    pytest.param(tko.assign_slots, id="triton-interpreted")])
+def test_assign_slots_lru_by_hand(assign):
     # One sequence, one KV head, R = 3 slots, P = 9 pages (page 8 is the spare), S = 4.
     slot_of = torch.full((1, 1, 10), -1, dtype=torch.int32)
     page_of = torch.full((1, 1, 4), -1, dtype=torch.int32)
@@ -326,7 +328,7 @@ def test_assign_slots_lru_by_hand():
 
     def step(pos, ids):
         ids = torch.tensor(ids, dtype=torch.int32).view(1, 1, -1)
-        slots, fetch = tko.assign_slots(ids, slot_of, page_of, stamp, torch.tensor(pos), 4, counters)
+        slots, fetch = assign(ids, slot_of, page_of, stamp, torch.tensor(pos), 4, counters)
         return slots.view(-1).tolist(), fetch.view(-1).tolist()
 
     assert step(9, [0, 2, 8]) == ([0, 1, -1], [True, True, False])  # both miss (page 2 is current); spare: no slot
@@ -340,6 +342,32 @@ def test_assign_slots_lru_by_hand():
     assert counters.tolist() == [3, 2, 2, 5]
     with pytest.raises(ValueError, match="chose 4 pages per KV head but the resident pool holds 3"):
         step(15, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("B, H, P, K, R", [
+    pytest.param(2, 3, 40, 7, 9, id="gqa-small-pool"),
+    pytest.param(1, 2, 300, 33, 70, id="odd-sizes"),
+])
+def test_assign_slots_twins(B, H, P, K, R):
+    # Twenty steps of random selections (distinct ids, -1 pads, the spare page, the current page): the kernel's
+    # slots, fetch flags, page table, slot owners, stamps and counters equal the reference's at every step.
+    g = torch.Generator().manual_seed(P)
+    tables = [(torch.full((B, H, P + 1), -1, dtype=torch.int32), torch.full((B, H, R + 1), -1, dtype=torch.int32),
+               torch.full((B, H, R + 1), -1, dtype=torch.long), torch.zeros(4, dtype=torch.long)) for _ in range(2)]
+    for step in range(20):
+        pos = torch.tensor(100 + step * 3)
+        cur = (int(pos) - 1) // 4
+        ids = torch.stack([torch.randperm(P, generator=g)[:K] for _ in range(B * H)]).view(B, H, K).int()
+        ids[..., 0] = cur
+        ids[..., 1] = torch.where(ids[..., 1] == cur, ids[..., 1], P - 1)  # the spare page
+        ids[0, 0, -2:] = -1
+        ids = torch.where((ids == cur) & (torch.arange(K) > 0), -1, ids)  # distinct
+        outs = [f(ids, *t[:3], pos, 4, t[3]) for f, t in zip((tko.assign_slots_ref, tko.assign_slots), tables)]
+        for a, b in zip(outs[1], outs[0]):
+            assert torch.equal(a, b), step
+        for i, (a, b) in enumerate(zip(tables[1], tables[0])):
+            a, b = (a[..., :-1], b[..., :-1]) if i < 3 else (a, b)  # the scratch columns are the reference's
+            assert torch.equal(a, b), (step, i)
 
 
 @pytest.mark.parametrize("B, H, C, D, K, R, window, pos", [

@@ -24,10 +24,11 @@ import torch
 
 from ._common import next_pow2, require_triton, tl, triton
 
-__all__ = ["assign_slots", "fetch_pages", "fetch_pages_ref", "write_token_at", "write_token_at_ref"]
+__all__ = ["assign_slots", "assign_slots_ref", "fetch_pages", "fetch_pages_ref", "write_token_at",
+           "write_token_at_ref"]
 
 
-def assign_slots(ids, slot_of, page_of, stamp, pos, page_size: int, counters=None):
+def assign_slots_ref(ids, slot_of, page_of, stamp, pos, page_size: int, counters=None):
     """Resident slots of the chosen pages `ids` int32 `[B, H_kv, K]` (-1 unused), LRU eviction, in place.
 
     Returns `(slots int32 [B, H_kv, K], fetch bool [B, H_kv, K])`: the slot holding each chosen page after this
@@ -52,8 +53,9 @@ def assign_slots(ids, slot_of, page_of, stamp, pos, page_size: int, counters=Non
     hit = live & (slot >= 0)
     miss = live & (slot < 0)
     stamp.scatter_(2, torch.where(hit, slot, R), now)
-    # The K oldest slots, oldest first; the misses take them in order (a miss's rank among the misses).
-    oldest = torch.topk(stamp[..., :R], K, dim=2, largest=False, sorted=True).indices
+    # The K oldest slots, oldest first (ties: the lower slot); the misses take them in order (rank among misses).
+    key = (stamp[..., :R] + 1) * (R + 1) + torch.arange(R, device=stamp.device)
+    oldest = torch.topk(key, K, dim=2, largest=False, sorted=True).indices
     victim = oldest.gather(2, (miss.long().cumsum(2) - 1).clamp_min(0))
     vslot = torch.where(miss, victim, R)
     evicted = page_of.gather(2, vslot).long()
@@ -91,6 +93,89 @@ def _mapped(t: torch.Tensor, device: torch.device):
     if not (getattr(t, "_page_locked", False) or t.is_pinned()):
         raise ValueError("host K/V read by a CUDA kernel must be page-locked (pinned or cudaHostRegister'd)")
     return _Mapped(t)
+
+
+@triton.jit
+def _assign_slots_kernel(
+    ids_ptr, slot_of_ptr, page_of_ptr, stamp_ptr, pos_ptr, slots_ptr, fetch_ptr, scratch_ptr, cnt_ptr,
+    stride_ib, stride_ih, stride_ik,
+    stride_sb, stride_sh, stride_sp,
+    stride_pb, stride_ph, stride_pr,
+    stride_tb, stride_th, stride_tr,
+    stride_ob, stride_oh, stride_ok,
+    H_KV, K, P, R,
+    PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HAS_COUNTERS: tl.constexpr,
+):
+    """One (sequence, KV head): the whole LRU step of `assign_slots_ref` (hits stamped, the slots sorted by last use
+    with the slot as tie-break, the i-th miss takes the i-th oldest, its page evicted) in one program."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b = i_bh // H_KV
+    i_h = i_bh % H_KV
+    i_now = tl.load(pos_ptr).to(tl.int64)
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_id = tl.load(ids_ptr + i_b * stride_ib + i_h * stride_ih + o_k * stride_ik, mask=m_k, other=-1).to(tl.int64)
+    m_live = (b_id >= 0) & (b_id < P - 1)  # the spare last page holds no token
+    m_cur = m_live & (b_id == (i_now - 1) // PAGE)
+    p_so = slot_of_ptr + i_b * stride_sb + i_h * stride_sh
+    p_po = page_of_ptr + i_b * stride_pb + i_h * stride_ph
+    p_st = stamp_ptr + i_b * stride_tb + i_h * stride_th
+    b_slot = tl.load(p_so + tl.maximum(b_id, 0) * stride_sp, mask=m_live, other=-1).to(tl.int64)
+    m_hit = m_live & (b_slot >= 0)
+    m_miss = m_live & (b_slot < 0)
+    b_now = tl.zeros([BLOCK_K], dtype=tl.int64) + i_now
+    tl.store(p_st + tl.maximum(b_slot, 0) * stride_tr, b_now, mask=m_hit)
+    tl.debug_barrier()  # the hits' stamps are seen by the sort below (one program, global memory)
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < R
+    b_st = tl.load(p_st + o_r * stride_tr, mask=m_r, other=0)
+    b_key = tl.where(m_r, (b_st + 1) * (R + 1) + o_r, 9223372036854775807)
+    b_sorted = tl.sort(b_key)
+    p_scr = scratch_ptr + i_bh * BLOCK_R
+    tl.store(p_scr + o_r, (b_sorted % (R + 1)).to(tl.int32))
+    tl.debug_barrier()
+    b_rank = tl.cumsum(m_miss.to(tl.int32), axis=0) - 1
+    b_victim = tl.load(p_scr + tl.maximum(b_rank, 0), mask=m_miss, other=0).to(tl.int64)
+    b_evicted = tl.load(p_po + b_victim * stride_pr, mask=m_miss, other=-1).to(tl.int64)
+    tl.store(p_so + tl.maximum(b_evicted, 0) * stride_sp, tl.zeros([BLOCK_K], dtype=tl.int32) - 1,
+             mask=m_miss & (b_evicted >= 0))
+    tl.store(p_so + tl.maximum(b_id, 0) * stride_sp, b_victim.to(tl.int32), mask=m_miss)
+    tl.store(p_po + b_victim * stride_pr, b_id.to(tl.int32), mask=m_miss)
+    tl.store(p_st + b_victim * stride_tr, b_now, mask=m_miss)
+    b_out = tl.where(m_live, tl.where(m_miss, b_victim, b_slot), -1)
+    o_out = i_b * stride_ob + i_h * stride_oh + o_k * stride_ok
+    tl.store(slots_ptr + o_out, b_out.to(tl.int32), mask=m_k)
+    tl.store(fetch_ptr + o_out, (m_miss | m_cur).to(tl.uint8), mask=m_k)
+    if HAS_COUNTERS:
+        tl.atomic_add(cnt_ptr + 1, tl.sum((m_hit & ~m_cur).to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 2, tl.sum((m_miss & ~m_cur).to(tl.int64), axis=0))
+        tl.atomic_add(cnt_ptr + 3, tl.sum((m_miss | m_cur).to(tl.int64), axis=0))
+        if i_bh == 0:
+            tl.atomic_add(cnt_ptr, 1)
+
+
+def assign_slots(ids, slot_of, page_of, stamp, pos, page_size: int, counters=None):
+    """Triton twin of `assign_slots_ref` (same slots, same tables, same counters): one program per (sequence, KV
+    head) instead of some fifty small tensor ops a layer and step. Workspace: `B * H_kv * next_pow2(R)` int32."""
+    require_triton()
+    B, H, K = ids.shape
+    P, R = slot_of.shape[2] - 1, page_of.shape[2] - 1
+    if K > R:
+        raise ValueError(f"a decode step chose {K} pages per KV head but the resident pool holds {R}: give the pool "
+                         f"at least {K} pages (QuestConfig.offload_pages)")
+    block_r = max(16, next_pow2(R))
+    slots = torch.empty(B, H, K, dtype=torch.int32, device=ids.device)
+    fetch = torch.empty(B, H, K, dtype=torch.bool, device=ids.device)
+    scratch = torch.empty(B * H, block_r, dtype=torch.int32, device=ids.device)
+    _assign_slots_kernel[(B * H,)](
+        ids, slot_of, page_of, stamp, pos, slots, fetch.view(torch.uint8), scratch,
+        counters if counters is not None else stamp,
+        *ids.stride(), *slot_of.stride(), *page_of.stride(), *stamp.stride(), *slots.stride(),
+        H, K, P, R,
+        PAGE=page_size, BLOCK_K=max(16, next_pow2(K)), BLOCK_R=block_r, HAS_COUNTERS=counters is not None,
+        num_warps=8 if block_r >= 2048 else 4,
+    )
+    return slots, fetch
 
 
 def _check_fetch(host_k, host_v, tail_k, tail_v, valid, ids, slots, fetch, pool_k, pool_v, pool_valid, pos,

@@ -54,6 +54,33 @@ def test_fetch_pages_reads_pinned_host(B, H, C, D, K, R, S=16):
     assert torch.equal(got[2][:, :n].cpu(), want[2][:, :n])
 
 
+@pytest.mark.parametrize("B, H, P, K, R", [
+    pytest.param(1, 8, 8193, 516, 1032, id="llama3-8b-128K-default-pool"),
+    pytest.param(1, 8, 8193, 516, 516, id="pool-one-step"),
+    pytest.param(2, 4, 700, 37, 4128, id="large-pool"),
+])
+def test_assign_slots_kernel_matches_ref(B, H, P, K, R, S=16):
+    # The compiled one-program-a-row LRU (sort of 2^k int64 keys) against the tensor-op reference, 12 steps.
+    g = torch.Generator().manual_seed(0)
+    make = lambda dev: [torch.full((B, H, P + 1), -1, dtype=torch.int32, device=dev),  # noqa: E731
+                        torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev),
+                        torch.full((B, H, R + 1), -1, dtype=torch.long, device=dev),
+                        torch.zeros(4, dtype=torch.long, device=dev)]
+    dev_t, ref_t = make(DEV), make("cpu")
+    for step in range(12):
+        pos = 16 * (P - 2) - 40 + step
+        base = torch.randperm(P - 1, generator=g)[: K + K // 2]
+        ids = torch.stack([base[torch.randperm(len(base), generator=g)[:K]] for _ in range(B * H)]).view(B, H, K)
+        ids = ids.int().sort(-1).values
+        want = tko.assign_slots_ref(ids, *ref_t[:3], torch.tensor(pos), S, ref_t[3])
+        got = tko.assign_slots(ids.to(DEV), *dev_t[:3], torch.tensor(pos, device=DEV), S, dev_t[3])
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b), step
+        for i, (a, b) in enumerate(zip(dev_t, ref_t)):
+            a, b = (a[..., :-1], b[..., :-1]) if i < 3 else (a, b)
+            assert torch.equal(a.cpu(), b), (step, i)
+
+
 def test_write_token_to_pinned_host(S=16):
     g = torch.Generator(DEV).manual_seed(1)
     host = [_host(torch.zeros(2, 8, 4096, 128, dtype=torch.half)) for _ in range(2)]
