@@ -92,9 +92,9 @@ class QuestLayer(CacheLayerMixin):
         self.side: dict[str, torch.Tensor] = {}
         self.side_state: dict = {}
         self.kmin8 = self.kmax8 = self.kscale = None
-        # Selection reuse (QuestConfig.reselect_every > 1), on the device: "step" (decode steps since the stored
-        # selection was chosen; 0: choose at the next step), "ids" (that selection, [B, H_kv, K]), "since" (the
-        # position it was chosen at). Reordered with beams; zeroed in place by growth, crop and reset.
+        # Selection reuse (QuestConfig.reselect_every > 1), on the device (triton_kernels/reuse.py): "ids" (the stored
+        # selection, [B, H_kv, K]), "since" (the position it was chosen at), "step" (steps since), "due" (int32: this
+        # step chooses). Reordered with beams; made due in place by growth, crop and reset.
         self.reuse: dict[str, torch.Tensor] = {}
         self.pager = None  # K/V in host memory (QuestConfig.offload, quest_hf/offload.py); set by QuestCache
         # > 0 while quest_hf.offload.prefill runs: a chunk attends to the earlier tokens in blocks of this many
@@ -261,20 +261,23 @@ class QuestLayer(CacheLayerMixin):
             self.allocations += 1
 
     def reuse_due(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Selection reuse: whether this decode step chooses afresh (a device bool, `step % reselect_every == 0`),
-        with the stored selection allocated as int32 `shape` `[B, H_kv, K]` (anew, and due, when the shape changed)."""
+        """Selection reuse: the device flag (int32, set by the previous step's `reuse_pages`) of whether this decode
+        step chooses afresh, with the stored selection allocated as int32 `shape` `[B, H_kv, K]` (anew, and due, when
+        the shape changed). No device op: the flag is read by the kernels."""
         st = self.reuse
         if "ids" not in st or tuple(st["ids"].shape) != tuple(shape):
             dev = self.pos.device
             st["ids"] = torch.full(shape, -1, dtype=torch.int32, device=dev)
             st["since"] = torch.zeros((), dtype=torch.long, device=dev)
             st["step"] = torch.zeros((), dtype=torch.long, device=dev)
-        return st["step"] % self.config.reselect_every == 0
+            st["due"] = torch.ones((), dtype=torch.int32, device=dev)
+        return st["due"]
 
     def reselect(self) -> None:
-        """The next decode step chooses its pages afresh (in place: a captured step holds the counter)."""
+        """The next decode step chooses its pages afresh (in place: a captured step holds the counter and flag)."""
         if "step" in self.reuse:
             self.reuse["step"].zero_()
+            self.reuse["due"].fill_(1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seq_len + query_length, 0

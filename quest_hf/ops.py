@@ -26,6 +26,7 @@ class Ops:
     top_p_mask: Callable
     quantize_bounds: Callable  # QuestConfig(bounds="int8"): triton_kernels/bounds8.py
     quantize_bounds_at: Callable
+    reuse_pages: Callable  # QuestConfig(reselect_every > 1): triton_kernels/reuse.py
 
 
 def _on_tensor_device(fn):
@@ -42,7 +43,7 @@ def _on_tensor_device(fn):
 
 
 _PAIRS = ("append_kv", "score_pages", "topk_pages", "sparse_decode_attention", "append_token_at", "encode_codes",
-          "encode_codes_at", "code_scores", "top_p_mask", "quantize_bounds", "quantize_bounds_at")
+          "encode_codes_at", "code_scores", "top_p_mask", "quantize_bounds", "quantize_bounds_at", "reuse_pages")
 TORCH = Ops("torch", *(getattr(tk, f"{name}_ref") for name in _PAIRS))
 TRITON = Ops("triton", *(_on_tensor_device(getattr(tk, name)) for name in _PAIRS))
 

@@ -85,8 +85,8 @@ class Step:
         self.scores = self.score()
         self.ids = self.topk()
         if every > 1:  # the stored selection of QuestConfig(reselect_every): a due step's, reused
-            self.not_due = torch.zeros((), dtype=torch.bool, device=q.device)
             self.reuse_layer = _ReuseState(self.ids, self.pos)
+            self.not_due = self.reuse_layer.reuse["due"]
 
     def score(self, due=None):
         lo, hi, kw = self.kmin, self.kmax, {}
@@ -113,7 +113,9 @@ class Step:
                                           launch=self.launch["attn"])
 
     def skip(self):
-        """A step between selections (reselect_every > 1): flagged score, Top-K, the reuse merge, attention."""
+        """A step between selections (reselect_every > 1): flagged score, Top-K, the reuse merge, attention. (+ one
+        4-byte fill the layer's step has not: the merge sets the next step's flag, and every timed step must skip)"""
+        self.not_due.zero_()
         self.requantize()
         s = self.score(due=self.not_due)
         fresh = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
@@ -140,8 +142,10 @@ class _ReuseState:
     """What `reused_pages` reads of a layer: the stored selection, chosen at this position."""
 
     def __init__(self, ids, pos):
-        self.reuse = dict(ids=ids.clone(), since=pos.clone(), step=torch.zeros((), dtype=torch.long, device=pos.device))
-        self.pos, self.page_size = pos, PAGE
+        dev = pos.device
+        self.reuse = dict(ids=ids.clone(), since=pos.clone(), step=torch.zeros((), dtype=torch.long, device=dev),
+                          due=torch.zeros((), dtype=torch.int32, device=dev))
+        self.pos, self.page_size, self.ops = pos, PAGE, tk  # the launchers (tk.reuse_pages), as Ops carries them
 
 
 def graph_time(steps, stage):

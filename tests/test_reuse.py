@@ -37,6 +37,36 @@ def test_reuse_every_step_is_todays_step_exactly(single_thread):
     assert any(not torch.equal(a, b) for a, b in zip(plain.scores, four.scores))
 
 
+@triton_ok
+@pytest.mark.parametrize("B, H, K, every, S", [
+    pytest.param(1, 1, 1, 2, 16, id="K1-k2"),
+    pytest.param(2, 3, 7, 4, 4, id="k4-S4"),
+    pytest.param(3, 2, 33, 9, 4, id="k9-S4-two-new-pages"),
+    pytest.param(1, 8, 130, 16, 16, id="K130-k16"),
+])
+def test_reuse_kernel_matches_its_twin_over_an_interval(B, H, K, every, S, monkeypatch):
+    from .testing import nan_empty
+
+    g = torch.Generator().manual_seed(K)
+    state = [torch.full((B, H, K), -1, dtype=torch.int32), torch.tensor(0), torch.tensor(0),
+             torch.tensor(1, dtype=torch.int32)]
+    mine = [t.clone() for t in state]
+    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))  # an output slot the kernel skips reads 0x5A...
+    for t in range(2 * every + 1):
+        pos = torch.tensor(5 * S + 3 + t)
+        c0 = (int(pos) - 1) // S
+        # A fresh selection as Top-K returns it: distinct pages <= the current one, the spare page last, then -1.
+        n = int(torch.randint(1, min(K, c0 + 1) + 1, (), generator=g))
+        rows = [sorted(torch.randperm(c0 + 1, generator=g)[: n - 1].tolist()) + [10 * S] + [-1] * (K - n)
+                for _ in range(B * H)]
+        fresh = torch.tensor(rows, dtype=torch.int32).reshape(B, H, K)
+        want = tk.reuse_pages_ref(fresh, *state, pos, S, every)
+        got = tk.reuse_pages(fresh, *mine, pos, S, every)
+        assert torch.equal(got, want), f"step {t}"
+        assert all(torch.equal(a, b) for a, b in zip(mine, state))
+    assert int(state[2]) == 2 * every + 1 and int(state[3]) == int((2 * every + 1) % every == 0)
+
+
 def _fresh(layer, q):
     """The selection without reuse at this step: the plain rule over the allocation, through the page table."""
     cfg = layer.config

@@ -25,3 +25,6 @@ __all__ += ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes
 from .bounds8 import quantize_bounds, quantize_bounds_at, quantize_bounds_at_ref, quantize_bounds_ref  # noqa: E402
 
 __all__ += ["quantize_bounds", "quantize_bounds_ref", "quantize_bounds_at", "quantize_bounds_at_ref"]
+from .reuse import reuse_pages, reuse_pages_ref  # noqa: E402
+
+__all__ += ["reuse_pages", "reuse_pages_ref"]

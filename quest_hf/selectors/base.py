@@ -92,22 +92,11 @@ def metadata_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int, page_si
 def reused_pages(layer, fresh: torch.Tensor, due: torch.Tensor, every: int) -> torch.Tensor:
     """Selection reuse (`QuestConfig.reselect_every`): the pages a decode step attends, on the device.
 
-    `fresh` int32 `[B, H_kv, K]` is this step's selection (computed from forced pages only where `due` is False, and
-    then discarded); `due` a device bool. The stored selection (`layer.reuse["ids"]`) becomes `fresh` where due,
-    and the step attends it plus the pages started since it was made, `(c0, cur]` with `c0` the page that was
-    current then: at most `ceil((every - 1) / S)` pages, none of which the stored selection can hold (they were
-    empty then). Returns int32 `[B, H_kv, K + ceil((every - 1) / S)]`, ascending, -1 last (the contract)."""
-    st, S = layer.reuse, layer.page_size
-    ids = torch.where(due, fresh, st["ids"])
-    st["ids"].copy_(ids)
-    st["since"].copy_(torch.where(due, layer.pos, st["since"]))
-    st["step"].add_(1)
-    extra = -(-(every - 1) // S)
-    first = torch.div(st["since"] - 1, S, rounding_mode="floor") + 1
-    cur = torch.div(layer.pos - 1, S, rounding_mode="floor")
-    new = first + torch.arange(extra, device=ids.device)
-    new = torch.where(new <= cur, new, -1).to(torch.int32).expand(*ids.shape[:2], extra)
-    out = torch.cat([ids, new], -1)
-    big = torch.iinfo(torch.int32).max  # -1 sorts last, the chosen ids ascending
-    out = torch.where(out < 0, big, out).sort(-1).values
-    return torch.where(out == big, -1, out)
+    `fresh` int32 `[B, H_kv, K]` is this step's selection (from forced pages only where `due` is 0, and then
+    discarded); `due` the layer's device flag (`layer.reuse["due"]`). The stored selection becomes `fresh` where
+    due, and the step attends it plus the pages started since it was made (at most `ceil((every - 1) / S)`, none of
+    which the stored selection can hold: they were empty then). One launch (`triton_kernels/reuse.py`), which also
+    advances the counter and sets the next step's flag. Returns int32 `[B, H_kv, K + ceil((every - 1) / S)]`,
+    ascending, -1 last (the contract)."""
+    st = layer.reuse
+    return layer.ops.reuse_pages(fresh, st["ids"], st["since"], st["step"], due, layer.pos, layer.page_size, every)
