@@ -271,6 +271,7 @@ class QuestLayer(CacheLayerMixin):
             st["since"] = torch.zeros((), dtype=torch.long, device=dev)
             st["step"] = torch.zeros((), dtype=torch.long, device=dev)
             st["due"] = torch.ones((), dtype=torch.int32, device=dev)
+            st["ticket"] = torch.zeros((), dtype=torch.int32, device=dev)  # reuse_pages' own counter, kept at 0
         return st["due"]
 
     def reselect(self) -> None:

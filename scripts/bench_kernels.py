@@ -144,7 +144,8 @@ class _ReuseState:
     def __init__(self, ids, pos):
         dev = pos.device
         self.reuse = dict(ids=ids.clone(), since=pos.clone(), step=torch.zeros((), dtype=torch.long, device=dev),
-                          due=torch.zeros((), dtype=torch.int32, device=dev))
+                          due=torch.zeros((), dtype=torch.int32, device=dev),
+                          ticket=torch.zeros((), dtype=torch.int32, device=dev))
         self.pos, self.page_size, self.ops = pos, PAGE, tk  # the launchers (tk.reuse_pages), as Ops carries them
 
 

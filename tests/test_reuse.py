@@ -51,6 +51,7 @@ def test_reuse_kernel_matches_its_twin_over_an_interval(B, H, K, every, S, monke
     state = [torch.full((B, H, K), -1, dtype=torch.int32), torch.tensor(0), torch.tensor(0),
              torch.tensor(1, dtype=torch.int32)]
     mine = [t.clone() for t in state]
+    ticket = torch.zeros((), dtype=torch.int32)
     monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))  # an output slot the kernel skips reads 0x5A...
     for t in range(2 * every + 1):
         pos = torch.tensor(5 * S + 3 + t)
@@ -61,8 +62,8 @@ def test_reuse_kernel_matches_its_twin_over_an_interval(B, H, K, every, S, monke
                 for _ in range(B * H)]
         fresh = torch.tensor(rows, dtype=torch.int32).reshape(B, H, K)
         want = tk.reuse_pages_ref(fresh, *state, pos, S, every)
-        got = tk.reuse_pages(fresh, *mine, pos, S, every)
-        assert torch.equal(got, want), f"step {t}"
+        got = tk.reuse_pages(fresh, *mine, pos, S, every, ticket)
+        assert torch.equal(got, want) and int(ticket) == 0, f"step {t}"
         assert all(torch.equal(a, b) for a, b in zip(mine, state))
     assert int(state[2]) == 2 * every + 1 and int(state[3]) == int((2 * every + 1) % every == 0)
 

@@ -12,8 +12,8 @@ before this runs). One step:
           then the spare page, then -1             ([B, H_kv, K + E], E = ceil((k - 1) / S): at most E new pages)
     step += 1, due = (step % k == 0)               (for the next step)
 
-One program does every row (a few hundred rows of ~K ints): the shared scalars are read before and written after
-all rows, so no program sees the next step's state.
+One program a row; the shared scalars are written by the last program to finish (an atomic ticket, one int32 the
+state keeps zeroed), after every program has read them, so none sees the next step's state.
 """
 import torch
 
@@ -27,7 +27,10 @@ def extra_pages(every: int, page_size: int) -> int:
     return -(-(every - 1) // page_size)
 
 
-def _check(fresh, stored, since, step, due, pos, every):
+def _check(fresh, stored, since, step, due, pos, every, ticket=None):
+    if ticket is not None and (ticket.numel() != 1 or ticket.dtype != torch.int32 or ticket.device != fresh.device):
+        raise ValueError(f"ticket must be one zeroed int32 element on {fresh.device}, got {ticket.dtype} "
+                         f"{tuple(ticket.shape)} on {ticket.device}")
     if fresh.dtype != torch.int32 or fresh.dim() != 3 or stored.shape != fresh.shape or stored.dtype != torch.int32:
         raise ValueError(f"fresh and stored must be int32 [B, H_kv, K] of one shape, got {fresh.dtype} "
                          f"{tuple(fresh.shape)} and {stored.dtype} {tuple(stored.shape)}")
@@ -40,10 +43,10 @@ def _check(fresh, stored, since, step, due, pos, every):
         raise ValueError(f"every must be an int >= 2 (1 is no reuse), got {every!r}")
 
 
-def reuse_pages_ref(fresh, stored, since, step, due, pos, page_size: int, every: int):
+def reuse_pages_ref(fresh, stored, since, step, due, pos, page_size: int, every: int, ticket=None):
     """One reuse step (module docstring), in place on `stored/since/step/due`; returns int32 `[B, H_kv, K + E]`
-    ascending, -1 last. Device ops only (no host sync)."""
-    _check(fresh, stored, since, step, due, pos, every)
+    ascending, -1 last. Device ops only (no host sync). `ticket`: the kernel's counter (left at 0; unused here)."""
+    _check(fresh, stored, since, step, due, pos, every, ticket)
     S, E = page_size, extra_pages(every, page_size)
     now = due.view(()) != 0
     stored.copy_(torch.where(now, fresh, stored))
@@ -62,11 +65,12 @@ def reuse_pages_ref(fresh, stored, since, step, due, pos, page_size: int, every:
 
 @triton.jit
 def _reuse_pages_kernel(
-    fresh_ptr, stored_ptr, out_ptr, since_ptr, step_ptr, due_ptr, pos_ptr,
+    fresh_ptr, stored_ptr, out_ptr, since_ptr, step_ptr, due_ptr, pos_ptr, ticket_ptr,
     stride_fr, stride_fk, stride_sr, stride_sk, stride_or, stride_ok,
     R, K,
     PAGE: tl.constexpr, EVERY: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    r = tl.program_id(0).to(tl.int64)
     due = tl.load(due_ptr) != 0
     pos = tl.load(pos_ptr).to(tl.int64)
     since = tl.load(since_ptr)
@@ -75,33 +79,40 @@ def _reuse_pages_kernel(
     e = tl.minimum(tl.maximum(cur - c0, 0), E)  # new pages started since the selection
     o_j = tl.arange(0, BLOCK)
     m_in = o_j < K
-    for r in range(0, R):
-        b_old = tl.load(stored_ptr + r * stride_sr + o_j * stride_sk, mask=m_in, other=-1)
-        b_new = tl.load(fresh_ptr + r * stride_fr + o_j * stride_fk, mask=m_in, other=-1)
-        b_ids = tl.where(due, b_new, b_old)
-        tl.store(stored_ptr + r * stride_sr + o_j * stride_sk, b_ids, mask=m_in)
-        n = tl.sum((b_ids >= 0).to(tl.int32), axis=0)  # valid ids; the last one is the spare page (always chosen)
-        spare = tl.max(b_ids, axis=0)
-        b_out = tl.where(o_j < n - 1, b_ids, -1)
-        b_out = tl.where((o_j >= n - 1) & (o_j < n - 1 + e), (c0 + 1 + (o_j - (n - 1))).to(tl.int32), b_out)
-        b_out = tl.where(o_j == n - 1 + e, spare, b_out)
-        tl.store(out_ptr + r * stride_or + o_j * stride_ok, b_out, mask=o_j < K + E)
-    tl.store(since_ptr, tl.where(due, pos, since))
-    step = tl.load(step_ptr) + 1
-    tl.store(step_ptr, step)
-    tl.store(due_ptr, (step % EVERY == 0).to(tl.int32))
+    b_old = tl.load(stored_ptr + r * stride_sr + o_j * stride_sk, mask=m_in, other=-1)
+    b_new = tl.load(fresh_ptr + r * stride_fr + o_j * stride_fk, mask=m_in, other=-1)
+    b_ids = tl.where(due, b_new, b_old)
+    tl.store(stored_ptr + r * stride_sr + o_j * stride_sk, b_ids, mask=m_in)
+    n = tl.sum((b_ids >= 0).to(tl.int32), axis=0)  # valid ids; the last one is the spare page (always chosen)
+    spare = tl.max(b_ids, axis=0)
+    b_out = tl.where(o_j < n - 1, b_ids, -1)
+    b_out = tl.where((o_j >= n - 1) & (o_j < n - 1 + e), (c0 + 1 + (o_j - (n - 1))).to(tl.int32), b_out)
+    b_out = tl.where(o_j == n - 1 + e, spare, b_out)
+    tl.store(out_ptr + r * stride_or + o_j * stride_ok, b_out, mask=o_j < K + E)
+    # Every program read the scalars above before its ticket (the atomic's release); the last one writes them.
+    tl.debug_barrier()
+    i_ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if i_ticket == R - 1:
+        tl.store(since_ptr, tl.where(due, pos, since))
+        step = tl.load(step_ptr) + 1
+        tl.store(step_ptr, step)
+        tl.store(due_ptr, (step % EVERY == 0).to(tl.int32))
+        tl.store(ticket_ptr, 0)
 
 
-def reuse_pages(fresh, stored, since, step, due, pos, page_size: int, every: int):
-    """Triton twin of `reuse_pages_ref`: one program over every `[B * H_kv]` row (any strides on K)."""
+def reuse_pages(fresh, stored, since, step, due, pos, page_size: int, every: int, ticket=None):
+    """Triton twin of `reuse_pages_ref`: one program a `[B * H_kv]` row. `ticket`: a zeroed int32 element the
+    kernel leaves at 0 (the layer keeps one; None: a fresh one, one more small launch)."""
     require_triton()
-    _check(fresh, stored, since, step, due, pos, every)
+    _check(fresh, stored, since, step, due, pos, every, ticket)
+    if ticket is None:
+        ticket = torch.zeros((), dtype=torch.int32, device=fresh.device)
     B, H, K = fresh.shape
     E = extra_pages(every, page_size)
     out = torch.empty(B, H, K + E, dtype=torch.int32, device=fresh.device)
     f, s, o = fresh.reshape(B * H, K), stored.view(B * H, K), out.view(B * H, K + E)
-    _reuse_pages_kernel[(1,)](
-        f, s, o, since, step, due, pos,
+    _reuse_pages_kernel[(B * H,)](
+        f, s, o, since, step, due, pos, ticket,
         f.stride(0), f.stride(1), s.stride(0), s.stride(1), o.stride(0), o.stride(1),
         B * H, K,
         PAGE=page_size, EVERY=every, E=E, BLOCK=max(16, next_pow2(K + E)), num_warps=4,

@@ -99,4 +99,5 @@ def reused_pages(layer, fresh: torch.Tensor, due: torch.Tensor, every: int) -> t
     advances the counter and sets the next step's flag. Returns int32 `[B, H_kv, K + ceil((every - 1) / S)]`,
     ascending, -1 last (the contract)."""
     st = layer.reuse
-    return layer.ops.reuse_pages(fresh, st["ids"], st["since"], st["step"], due, layer.pos, layer.page_size, every)
+    return layer.ops.reuse_pages(fresh, st["ids"], st["since"], st["step"], due, layer.pos, layer.page_size, every,
+                                 st["ticket"])
