@@ -106,3 +106,23 @@ def test_captured_steps_with_int8_bounds_and_reuse_give_the_eager_tokens(llama, 
     if "reselect_every" in options:
         sparse = [layer for layer in c_c.layers if layer.reuse]
         assert sparse and all(int(la.reuse["step"]) == int(sparse[0].reuse["step"]) for la in sparse)
+
+
+@pytest.mark.parametrize("B, H, K, every", [pytest.param(8, 32, 129, 4, id="llama2-B8"),
+                                            pytest.param(1, 8, 516, 20, id="llama3-union-k20")])
+def test_compiled_reuse_kernel_matches_its_twin_over_intervals(B, H, K, every):
+    # Many programs race on the shared scalars: only the last one (atomic ticket) may write them.
+    S = 16
+    state = [torch.full((B, H, K), -1, dtype=torch.int32, device=DEV), torch.zeros((), dtype=torch.long, device=DEV),
+             torch.zeros((), dtype=torch.long, device=DEV), torch.ones((), dtype=torch.int32, device=DEV)]
+    mine, ticket = [t.clone() for t in state], torch.zeros((), dtype=torch.int32, device=DEV)
+    g = torch.Generator(DEV).manual_seed(K)
+    for t in range(3 * every):
+        pos = torch.tensor(2048 + 7 + t, device=DEV)
+        c0 = (int(pos) - 1) // S
+        fresh = torch.rand(B, H, c0 + 1, generator=g, device=DEV).argsort(-1)[..., : K - 1].sort(-1).values
+        fresh = torch.cat([fresh, torch.full((B, H, 1), 4096, device=DEV)], -1).to(torch.int32)
+        want = tk.reuse_pages_ref(fresh, *state, pos, S, every)
+        got = tk.reuse_pages(fresh, *mine, pos, S, every, ticket)
+        assert torch.equal(got, want) and int(ticket) == 0
+        assert all(torch.equal(a, b) for a, b in zip(mine, state))
