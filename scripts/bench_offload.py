@@ -249,6 +249,7 @@ def main(argv=None):
         args.cap_length, args.lengths, args.nocap_lengths, args.hf_tokens = 4096, [8192], [2048, 4096], 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" or args.dtype != "float16" else torch.float32
     rows_out = args.rows
