@@ -50,7 +50,9 @@ def _quantize(lo, hi):
     """fp32 `[..., D]` page bounds -> (lo8, hi8 int8, scale fp32 `[...]`): the module docstring's rule."""
     empty = lo > hi
     mag = torch.where(empty, 0.0, torch.maximum(lo.abs(), hi.abs())).amax(-1, keepdim=True)
-    scale = (mag / STEPS).clamp_min(MIN_SCALE)
+    # A tensor divisor: torch on CUDA divides by a Python scalar as a product with its reciprocal (not correctly
+    # rounded), which would make the reference differ from the kernel's div_rn on a GPU.
+    scale = (mag / torch.full_like(mag, STEPS)).clamp_min(MIN_SCALE)
     zero = torch.zeros((), dtype=torch.float32, device=lo.device)
     lo_q = torch.floor(torch.where(empty, zero, lo) / scale)
     hi_q = torch.ceil(torch.where(empty, zero, hi) / scale)
