@@ -32,7 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--policy", default="quest")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
-    p.add_argument("--objective", default="mass", choices=["mass", "recall"])
+    p.add_argument("--objective", default="error", choices=list(cal.METRICS),
+                   help="what the allocation maximises (quest_hf.calibration.METRICS; default error)")
+    p.add_argument("--bounds", default="auto", choices=["auto", "key_dtype", "int8"],
+                   help="page bounds of the calibrated configs (auto: int8 where the policy reads them; int8: fewer "
+                        "metadata bytes; the flat configs whose bytes are matched keep key_dtype)")
     p.add_argument("--out", default=None, help="JSON path (default results/calibrate/calibrate_<model>.json)")
     return p.parse_args(argv)
 
@@ -43,6 +47,7 @@ def config_json(cfg):
 
 def main(argv=None):
     args = parse_args(argv)
+    args.bounds = cal.resolve_bounds(args.policy, args.bounds)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or str(results_dir("calibrate") / f"calibrate_{model_tag(args.model)}.json")
@@ -51,23 +56,28 @@ def main(argv=None):
     ids = cal.token_ids(tok, None, args.tokens, args.offset)
     t_tok = time.perf_counter() - t0
     m = cal.measure(model, ids, budgets=sorted(set(args.candidates) | set(args.budgets)), queries=args.queries,
-                policy=args.policy, page_size=args.page_size, gqa_mode=args.gqa_mode)
+                policy=args.policy, page_size=args.page_size, gqa_mode=args.gqa_mode, bounds=args.bounds)
     configs, lines = {}, []
     for b in args.budgets:
         t1 = time.perf_counter()
         choice = cal.allocate(m, b, objective=args.objective)
-        cfg = cal.to_config(choice, b, policy=args.policy, page_size=args.page_size, gqa_mode=args.gqa_mode)
+        cfg = cal.to_config(choice, b, policy=args.policy, page_size=args.page_size, gqa_mode=args.gqa_mode,
+                            bounds=args.bounds)
         t_alloc = time.perf_counter() - t1
         spent = sum(m.bytes[i][c] for i, c in enumerate(choice))
         flat = cal.flat_bytes(m, b)
         flat_mass = sum(m.mass[i][cal.DENSE if i < 2 else b] for i in range(m.num_layers)) / m.num_layers
         cal_mass = sum(m.mass[i][c] for i, c in enumerate(choice)) / m.num_layers
+        gain = getattr(m, args.objective)
+        flat_obj = sum(gain[i][cal.DENSE if i < 2 else b] for i in range(m.num_layers)) / m.num_layers
+        cal_obj = sum(gain[i][c] for i, c in enumerate(choice)) / m.num_layers
         configs[str(b)] = dict(config=config_json(cfg), choice=choice, bytes=spent, flat_bytes=flat,
                                mean_mass=cal_mass, flat_mean_mass=flat_mass, allocate_seconds=t_alloc)
         lines += [f"### Equal bytes to flat budget {b}", "",
                   f"- bytes per step (all layers, {m.context}-token context): calibrated {spent / 2**20:.2f} MiB, "
                   f"flat {flat / 2**20:.2f} MiB ({spent / flat:.3f} of flat)",
                   f"- mean attention mass: calibrated {cal_mass:.4f}, flat {flat_mass:.4f}",
+                  f"- mean objective ({args.objective}): calibrated {cal_obj:.4f}, flat {flat_obj:.4f}",
                   f"- dense layers: {list(cfg.dense)}",
                   "- budgets: " + ", ".join(f"{i}: {c}" for i, c in enumerate(choice)), ""]
     seconds = m.seconds + t_tok
@@ -75,15 +85,18 @@ def main(argv=None):
                   tokens=ids.shape[1], offset=args.offset, queries=args.queries, policy=args.policy,
                   page_size=args.page_size, gqa_mode=args.gqa_mode, objective=args.objective,
                   measure_seconds=m.seconds, tokenize_seconds=t_tok, calibration_seconds=seconds,
-                  options=m.options, mass=m.mass, recall=m.recall, bytes=m.bytes, configs=configs)
+                  bounds=args.bounds, options=m.options, configs=configs,
+                  **{k: getattr(m, k) for k in (*cal.METRICS, "bytes", "flat")})
     lines += ["### Attention mass on the selected tokens, per layer and budget", "", m.table("mass"), "",
-              "### Top-10 recall, per layer and budget", "", m.table("recall"), ""]
+              "### Top-10 recall, per layer and budget", "", m.table("recall"), "",
+              "### 1 - |output error| / |residual stream| (objective `error`), per layer and budget", "",
+              m.table("error"), ""]
     print("\n".join(lines))
     write_report(out, report, f"Calibrated per-layer budgets: {report['model']}", [
         f"- text: built-in stdlib docstrings, tokens {args.offset}-{args.offset + ids.shape[1]} (scripts/ppl.py "
         f"scores tokens 0-8192); {ids.shape[1] - args.queries} prefilled densely, {args.queries} decode queries "
         f"measured; policy {args.policy}, page size {args.page_size}, gqa_mode {args.gqa_mode}, objective "
-        f"{args.objective}",
+        f"{args.objective}, bounds {args.bounds}",
         f"- calibration time (tokenize + prefill + queries, model load excluded): {seconds:.1f} s"], lines)
     print(f"calibration took {seconds:.1f} s; wrote {out} (+ .md)")
 
