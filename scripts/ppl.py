@@ -44,8 +44,8 @@ def parse_args(argv=None):
                    help="int8: also decode every quest budget with 8-bit page bounds (QuestConfig.bounds)")
     p.add_argument("--reselect-every", type=ints, default=[], metavar="K,...",
                    help="also decode every quest budget choosing pages every K steps (QuestConfig.reselect_every)")
-    p.add_argument("--calibrated", default=None, metavar="JSON",
-                   help="also decode the per-layer configs of scripts/calibrate.py's JSON (one row per flat budget)")
+    p.add_argument("--calibrated", default=None, metavar="JSON", nargs="+",
+                   help="also decode the per-layer configs of scripts/calibrate.py's JSON(s) (one row per flat budget)")
     p.add_argument("--calibrated-budgets", type=ints, default=None, help="only these of the calibrated configs")
     p.add_argument("--out", default=None, help="JSON path (default results/ppl/ppl_<model>.json)")
     p.add_argument("--no-plot", action="store_true")
@@ -112,8 +112,8 @@ def main(argv=None):
         sys.exit(f"error: the text has {ids.shape[1]} tokens, {need} needed (--prefix + --decode + 1)")
     print(f"text: {source}; {need} tokens")
     extra = []
-    if args.calibrated:
-        with open(args.calibrated) as f:
+    for path in args.calibrated or []:
+        with open(path) as f:
             calibrated = json.load(f)["configs"]
         for b, entry in calibrated.items():
             if args.calibrated_budgets is None or int(b) in args.calibrated_budgets:
