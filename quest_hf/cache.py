@@ -207,24 +207,18 @@ class QuestLayer(CacheLayerMixin):
         start = self.seq_len
         self.reserve(start + T)
         valid_new = self._step.get(T, self.device)
+        # QuestConfig(bounds="int8"): the written pages' 8-bit codes, requantized inside the same append launch.
+        bounds8 = {} if self.kmin8 is None else dict(bounds8=(self.kmin8, self.kmax8, self.kscale))
         if self.pager is not None:  # K/V to host memory, the metadata here (quest_hf/offload.py)
             paged = self.pager.append(self, key_states, value_states, valid_new, start)
         elif T == 1:  # the device position: no host value enters the step, so a graph replay stays right
             self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.valid,
-                                     key_states, value_states, valid_new, self.pos)
+                                     key_states, value_states, valid_new, self.pos, **bounds8)
             self.pos += 1
         else:
             self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
-                               key_states, value_states, valid_new, start)
+                               key_states, value_states, valid_new, start, **bounds8)
             self.pos.fill_(start + T)
-        if self.kmin8 is not None:
-            if T == 1:
-                self.ops.quantize_bounds_at(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, self.pos,
-                                            self.page_size)
-            else:
-                p0 = start // self.page_size
-                self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, p0,
-                                         (start + T - 1) // self.page_size + 1 - p0)
         self.selector.on_append(self, key_states, start, valid_new)
         self.seq_len = start + T
         if self.pager is not None:

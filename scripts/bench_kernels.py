@@ -11,10 +11,11 @@ over the device-to-device copy bandwidth measured in the same run.
     python scripts/bench_kernels.py --quick --bounds key_dtype int8 --reselect-every 1 4   # #16: 8-bit bounds, reuse
     TRITON_INTERPRET=1 python scripts/bench_kernels.py --dry --bounds int8 --reselect-every 4  # CPU: runs, no timing
 
-`--bounds int8` rows score 8-bit page bounds (QuestConfig(bounds="int8"); the step also requantizes the page it
-wrote). `--reselect-every K` rows (QuestConfig(reselect_every=K)) add the step between selections ("skip": the
-score kernel reads its device flag and writes the forced pages only, the Top-K runs over that row, the stored
-selection plus the pages started since is attended) and the amortised step `(full + (K - 1) * skip) / K`.
+`--bounds int8` rows score 8-bit page bounds (QuestConfig(bounds="int8"); the layer requantizes the page it wrote
+inside its append launch, which no row here times, as for the key-dtype bounds). `--reselect-every K` rows
+(QuestConfig(reselect_every=K)) add the step between selections ("skip": the score kernel reads its device flag
+and writes the forced pages only, the Top-K runs over that row, the reuse kernel merges the stored selection and
+the pages started since, attention) and the amortised step `(full + (K - 1) * skip) / K`.
 
 Timer: quest_hf.bench (CUDA events per call after a GPU spin, median, no L2 flush), rotating over input sets
 that together exceed L2 three times. Round 1's figures (benchmarks/kernels/round1/) were taken with
@@ -101,12 +102,7 @@ class Step:
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.L, PAGE, self.scale,
                                           launch=self.launch["attn"])
 
-    def requantize(self):
-        if self.bounds8 is not None:  # the layer requantizes the page a decode append wrote
-            tk.quantize_bounds_at(self.kmin, self.kmax, *self.bounds8, self.pos, PAGE)
-
     def full(self):
-        self.requantize()
         s = self.score()
         ids = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
@@ -116,7 +112,6 @@ class Step:
         """A step between selections (reselect_every > 1): flagged score, Top-K, the reuse merge, attention. (+ one
         4-byte fill the layer's step has not: the merge sets the next step's flag, and every timed step must skip)"""
         self.not_due.zero_()
-        self.requantize()
         s = self.score(due=self.not_due)
         fresh = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
         ids = reused_pages(self.reuse_layer, fresh, self.not_due, self.every)

@@ -165,6 +165,40 @@ def test_quantize_kernels_equal_their_twins_bit_for_bit(B, H, D, S, L, dtype, pa
         assert torch.equal(a[:, :, page], b[:, :, page])
 
 
+@triton_ok
+@pytest.mark.parametrize("B,H,D,S,L,dtype,pad", QUANT_CASES)
+def test_append_kernels_requantize_the_pages_they_write_as_their_twins(B, H, D, S, L, dtype, pad):
+    # The decode append writes the page's codes in its own launch (USE_BOUNDS8): they must equal the reference's
+    # and the codes of the exact bounds, after a multi-token append (mid-page start) and one-token appends.
+    steps = S + 3
+    C = -(-(L + steps) // S) * S + S
+    g = torch.Generator().manual_seed(L)
+    base = [torch.zeros(B, H, C, D, dtype=dtype), torch.zeros(B, H, C, D, dtype=dtype),
+            torch.full((B, H, C // S, D), float("inf"), dtype=dtype), torch.full((B, H, C // S, D), float("-inf"),
+            dtype=dtype), torch.zeros(B, C, dtype=torch.bool)]
+    ref, mine = [t.to(DEV) for t in base], [t.clone().to(DEV) for t in base]
+    ref8 = list(empty_bounds8(B, H, C // S, D, DEV))
+    mine8 = [t.clone() for t in ref8]  # pages never written stay empty in both
+    k = (torch.randn(B, H, L, D, generator=g) * 3).to(dtype).to(DEV)
+    vnew = torch.ones(B, L, dtype=torch.bool, device=DEV)
+    for b, n in enumerate(pad):
+        vnew[b, :n] = False
+    cut = L // 2
+    for lo, hi in ((0, cut), (cut, L)):
+        tk.append_kv_ref(*ref, k[:, :, lo:hi], k[:, :, lo:hi], vnew[:, lo:hi], lo, bounds8=ref8)
+        tk.append_kv(*mine, k[:, :, lo:hi], k[:, :, lo:hi], vnew[:, lo:hi], lo, bounds8=mine8)
+    pos = torch.tensor(L, device=DEV)
+    for _ in range(steps):
+        k1 = (torch.randn(B, H, 1, D, generator=g) * 3).to(dtype).to(DEV)
+        tk.append_token_at_ref(*ref, k1, k1, None, pos, bounds8=ref8)
+        tk.append_token_at(*mine, k1, k1, None, pos, bounds8=mine8)
+        pos += 1
+    for a, b in zip(mine + mine8, ref + ref8):
+        assert torch.equal(a, b)
+    for a, b in zip(mine8, quantized(mine[2], mine[3])):
+        assert torch.equal(a, b)
+
+
 SCORE_CASES = [
     # B, H_kv, G, D, S, L, reduce, left padding, beams' page table
     pytest.param(1, 1, 1, 64, 16, 1, "none", (), False, id="len1-mha"),

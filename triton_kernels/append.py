@@ -5,6 +5,7 @@ Layouts follow `_contract.md`: caches `[B, H_kv, C, D]`, metadata `[B, H_kv, C /
 import torch
 
 from ._common import check_cache, next_pow2, require_triton, tl, triton
+from .bounds8 import quantize_bounds_at_ref, quantize_bounds_ref, quantize_tile
 
 __all__ = ["append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref"]
 
@@ -21,10 +22,12 @@ def _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start):
     return B, H, C, D, T
 
 
-def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start: int) -> None:
+def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start: int, bounds8=None) -> None:
     """Write `k_new/v_new [B, H_kv, T, D]` into slots `[start, start+T)` and fold the valid ones into min/max.
 
     In place on every cache tensor; `valid_new [B, T]` bool (None: all valid). Plain PyTorch; also the CPU path.
+    `bounds8` (kmin8, kmax8, kscale; QuestConfig(bounds="int8")): the touched pages' 8-bit bounds are requantized
+    from the new min/max (triton_kernels/bounds8.py), in the same launch in the Triton twin.
     """
     B, H, C, D, T = _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start)
     if T == 0:
@@ -43,6 +46,8 @@ def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 
     inf = torch.tensor(float("inf"), dtype=k_cache.dtype, device=k_cache.device)
     kmin[:, :, p0:p1] = torch.where(ok, keys, inf).amin(dim=3)
     kmax[:, :, p0:p1] = torch.where(ok, keys, -inf).amax(dim=3)
+    if bounds8 is not None:
+        quantize_bounds_ref(kmin, kmax, *bounds8, p0, p1 - p0)
 
 
 @triton.jit
@@ -57,8 +62,10 @@ def _append_kv_kernel(
     stride_vnb, stride_vnh, stride_vnt, stride_vnd,
     stride_wb, stride_wt,
     H_KV, START, T,
+    lo8_ptr, hi8_ptr, sc8_ptr, stride_lb, stride_lh, stride_lp, stride_ld, stride_hb, stride_hh, stride_hp, stride_hd,
+    stride_sb, stride_sh, stride_sp,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
-    START_ON_DEVICE: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr, USE_BOUNDS8: tl.constexpr,
 ):
     if START_ON_DEVICE:  # a captured decode step: the write position is device data (one token, one page)
         START = tl.load(start_ptr)
@@ -99,9 +106,17 @@ def _append_kv_kernel(
     b_hi = tl.maximum(b_hi, tl.load(p_hi, mask=m_old, other=float("-inf")).to(tl.float32))
     tl.store(p_lo, b_lo.to(kmin_ptr.dtype.element_ty), mask=m_d)
     tl.store(p_hi, b_hi.to(kmax_ptr.dtype.element_ty), mask=m_d)
+    if USE_BOUNDS8:  # the page's 8-bit codes from the bounds just stored (bounds8.py's rule): no second launch
+        b_lo8, b_hi8, b_sc = quantize_tile(b_lo.to(kmin_ptr.dtype.element_ty).to(tl.float32),
+                                           b_hi.to(kmax_ptr.dtype.element_ty).to(tl.float32), m_d)
+        tl.store(lo8_ptr + i_b * stride_lb + i_h * stride_lh + i_page * stride_lp + o_d * stride_ld,
+                 b_lo8.to(tl.int8), mask=m_d)
+        tl.store(hi8_ptr + i_b * stride_hb + i_h * stride_hh + i_page * stride_hp + o_d * stride_hd,
+                 b_hi8.to(tl.int8), mask=m_d)
+        tl.store(sc8_ptr + i_b * stride_sb + i_h * stride_sh + i_page * stride_sp, b_sc)
 
 
-def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start: int) -> None:
+def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start: int, bounds8=None) -> None:
     """Triton twin of `append_kv_ref` (same signature, same in-place effect).
 
     k_cache/v_cache `[B, H_kv, C, D]`, kmin/kmax `[B, H_kv, C // S, D]`, valid bool `[B, C]`, k_new/v_new
@@ -115,20 +130,22 @@ def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, star
         return
     S = C // kmin.shape[2]
     pages = (start + T - 1) // S - start // S + 1
-    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, None, pages)
+    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, None, pages, bounds8)
 
 
-def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, start_dev, pages):
+def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, start_dev, pages, bounds8=None):
     B, H, _, D = k_cache.shape
     valid_u8 = valid.view(torch.uint8)
     vnew = valid_new.view(torch.uint8) if valid_new is not None else valid_u8  # unused when None
+    lo8, hi8, sc8 = bounds8 if bounds8 is not None else (valid_u8, valid_u8, valid_u8)
+    s8 = (*lo8.stride(), *hi8.stride(), *sc8.stride()) if bounds8 is not None else (0,) * 11
     _append_kv_kernel[(B * H, pages)](
         k_cache, v_cache, kmin, kmax, valid_u8, k_new, v_new, vnew, start_dev if start_dev is not None else valid_u8,
         *k_cache.stride(), *v_cache.stride(), *kmin.stride(), *kmax.stride(), *valid_u8.stride(),
         *k_new.stride(), *v_new.stride(), vnew.stride(0), vnew.stride(1),
-        H, start, k_new.shape[2],
+        H, start, k_new.shape[2], lo8, hi8, sc8, *s8,
         PAGE=k_cache.shape[2] // kmin.shape[2], D=D, BLOCK_D=max(16, next_pow2(D)),
-        USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None,
+        USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None, USE_BOUNDS8=bounds8 is not None,
         num_warps=4,
     )
 
@@ -142,7 +159,7 @@ def _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
                          f"{tuple(pos.shape)} on {pos.device}")
 
 
-def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos) -> None:
+def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None) -> None:
     """`append_kv_ref` of one token at the slot held by the device scalar `pos` (no host sync; the caller
     keeps `pos` inside the capacity and advances it). Index ops only, so a CUDA graph can capture it."""
     _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
@@ -164,10 +181,12 @@ def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid
     old_hi = torch.where(fresh, float("-inf"), kmax.index_select(2, page))
     kmin.index_copy_(2, page, torch.minimum(old_lo, lo).to(kmin.dtype))
     kmax.index_copy_(2, page, torch.maximum(old_hi, hi).to(kmax.dtype))
+    if bounds8 is not None:  # the page holding slot pos (bounds8's _at takes the position after the write)
+        quantize_bounds_at_ref(kmin, kmax, *bounds8, pos + 1, S)
 
 
-def append_token_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos) -> None:
-    """Triton twin of `append_token_at_ref`: one launch, the position read on the device."""
+def append_token_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None) -> None:
+    """Triton twin of `append_token_at_ref`: one launch, the position read on the device (the 8-bit bounds too)."""
     require_triton()
     _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
-    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0, pos, 1)
+    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0, pos, 1, bounds8)

@@ -96,6 +96,29 @@ def quantize_bounds_at_ref(kmin, kmax, kmin8, kmax8, kscale, pos, page_size: int
 
 
 @triton.jit
+def quantize_tile(b_lo, b_hi, m_d):
+    """The module docstring's rule on one page's fp32 bounds `[BLOCK_D]` (lanes past D masked by `m_d`): (lo8, hi8
+    as fp32 code values, scale). Shared by the quantize kernels and the append kernel (USE_BOUNDS8)."""
+    b_lo = tl.where(m_d, b_lo, 0.0)
+    b_hi = tl.where(m_d, b_hi, 0.0)
+    m_empty = b_lo > b_hi
+    b_lo = tl.where(m_empty, 0.0, b_lo)
+    b_hi = tl.where(m_empty, 0.0, b_hi)
+    mag = tl.max(tl.maximum(tl.abs(b_lo), tl.abs(b_hi)), axis=0)
+    # Correctly rounded division (as torch's), so that the codes equal the reference's bit for bit.
+    scale = tl.maximum(tl.math.div_rn(mag, 126.0), 1.1754943508222875e-38)
+    b_lo8 = tl.floor(tl.math.div_rn(b_lo, scale + tl.zeros_like(b_lo)))
+    b_hi8 = tl.ceil(tl.math.div_rn(b_hi, scale + tl.zeros_like(b_hi)))
+    b_lo8 = tl.where(b_lo8 * scale > b_lo, b_lo8 - 1.0, b_lo8)
+    b_hi8 = tl.where(b_hi8 * scale < b_hi, b_hi8 + 1.0, b_hi8)
+    b_lo8 = tl.where(m_empty, 127.0, b_lo8)
+    b_hi8 = tl.where(m_empty, -128.0, b_hi8)
+    # Every channel of a page is empty or none is (min and max range over the same valid tokens).
+    scale = tl.where(tl.max(m_empty.to(tl.int32), axis=0) > 0, 0.0, scale)
+    return b_lo8, b_hi8, scale
+
+
+@triton.jit
 def _quantize_bounds_kernel(
     kmin_ptr, kmax_ptr, lo8_ptr, hi8_ptr, scale_ptr, pos_ptr,
     stride_nb, stride_nh, stride_np, stride_nd,
@@ -119,20 +142,7 @@ def _quantize_bounds_kernel(
                    mask=m_d, other=0.0).to(tl.float32)
     b_hi = tl.load(kmax_ptr + i_b * stride_xb + i_h * stride_xh + i_p * stride_xp + o_d * stride_xd,
                    mask=m_d, other=0.0).to(tl.float32)
-    m_empty = b_lo > b_hi
-    b_lo = tl.where(m_empty, 0.0, b_lo)
-    b_hi = tl.where(m_empty, 0.0, b_hi)
-    mag = tl.max(tl.maximum(tl.abs(b_lo), tl.abs(b_hi)), axis=0)
-    # Correctly rounded division (as torch's), so that the codes equal the reference's bit for bit.
-    scale = tl.maximum(tl.math.div_rn(mag, 126.0), 1.1754943508222875e-38)
-    b_lo8 = tl.floor(tl.math.div_rn(b_lo, scale + tl.zeros_like(b_lo)))
-    b_hi8 = tl.ceil(tl.math.div_rn(b_hi, scale + tl.zeros_like(b_hi)))
-    b_lo8 = tl.where(b_lo8 * scale > b_lo, b_lo8 - 1.0, b_lo8)
-    b_hi8 = tl.where(b_hi8 * scale < b_hi, b_hi8 + 1.0, b_hi8)
-    b_lo8 = tl.where(m_empty, 127.0, b_lo8)
-    b_hi8 = tl.where(m_empty, -128.0, b_hi8)
-    # Every channel of a page is empty or none is (min and max range over the same valid tokens).
-    scale = tl.where(tl.max(m_empty.to(tl.int32), axis=0) > 0, 0.0, scale)
+    b_lo8, b_hi8, scale = quantize_tile(b_lo, b_hi, m_d)
     tl.store(lo8_ptr + i_b * stride_lb + i_h * stride_lh + i_p * stride_lp + o_d * stride_ld, b_lo8.to(tl.int8),
              mask=m_d)
     tl.store(hi8_ptr + i_b * stride_hb + i_h * stride_hh + i_p * stride_hp + o_d * stride_hd, b_hi8.to(tl.int8),
