@@ -126,3 +126,26 @@ def test_compiled_reuse_kernel_matches_its_twin_over_intervals(B, H, K, every):
         got = tk.reuse_pages(fresh, *mine, pos, S, every, ticket)
         assert torch.equal(got, want) and int(ticket) == 0
         assert all(torch.equal(a, b) for a, b in zip(mine, state))
+
+
+def test_compiled_append_requantizes_the_page_it_writes_bit_for_bit():
+    B, H, D, S, L = 2, 8, 128, 16, 4096 + 7
+    C = -(-(L + 40) // S) * S + S
+    kmin, kmax = _bounds(B, H, D, L, C)
+    keys = torch.zeros(B, H, C, D, dtype=torch.float16, device=DEV)
+    valid = torch.zeros(B, C, dtype=torch.bool, device=DEV)
+    ref = [keys, keys.clone(), kmin, kmax, valid]
+    mine = [t.clone() for t in ref]
+    ref8, mine8 = empty_bounds8(*kmin.shape, DEV), empty_bounds8(*kmin.shape, DEV)
+    tk.quantize_bounds_ref(kmin, kmax, *ref8)
+    tk.quantize_bounds(kmin, kmax, *mine8)
+    pos = torch.tensor(L, device=DEV)
+    g = torch.Generator(DEV).manual_seed(5)
+    for _ in range(40):
+        k = (torch.randn(B, H, 1, D, generator=g, device=DEV) * 4).half()
+        tk.append_token_at_ref(*ref, k, k, None, pos, bounds8=ref8)
+        tk.append_token_at(*mine, k, k, None, pos, bounds8=mine8)
+        pos += 1
+    for a, b in zip(mine8, ref8):
+        assert torch.equal(a, b)
+    assert torch.equal(mine[2], ref[2]) and torch.equal(mine[3], ref[3])
