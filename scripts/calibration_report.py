@@ -19,6 +19,7 @@ from quest_hf.bench import environment, write_report
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ppl", nargs="+", default=[], help="scripts/ppl.py JSON files")
+    p.add_argument("--ppl-flat", nargs="+", default=[], help="scripts/ppl.py JSON files read for their flat rows only")
     p.add_argument("--passkey", nargs="+", default=[], help="scripts/passkey.py JSON files")
     p.add_argument("--out", required=True, help="JSON path (+ .md, .png)")
     return p.parse_args(argv)
@@ -107,9 +108,12 @@ def plot(rows, dense_ppl, lengths, path):
 def main(argv=None):
     args = parse_args(argv)
     table, dense_ppl, sources = {}, None, []
-    for path in args.ppl:
+    for path in args.ppl_flat + args.ppl:
         rows, dense, r = ppl_rows(path)
-        sources.append(f"{path}: `{r['env']['command']}` ({r['env']['date']}, {r['env']['machine']})")
+        if path in args.ppl_flat:
+            rows = {k: v for k, v in rows.items() if k[1] == "flat"}
+        sources.append(f"{path}{' (flat rows)' if path in args.ppl_flat else ''}: `{r['env']['command']}` "
+                       f"({r['env']['date']}, {r['env']['machine']})")
         dense_ppl = dense["ppl"] if dense else dense_ppl
         for (policy, kind, budget), row in rows.items():
             table.setdefault((policy, kind, budget), dict(policy=policy, kind=kind, budget=budget)).update(
