@@ -118,7 +118,7 @@ def test_compiled_reuse_kernel_matches_its_twin_over_intervals(B, H, K, every):
     mine, ticket = [t.clone() for t in state], torch.zeros((), dtype=torch.int32, device=DEV)
     g = torch.Generator(DEV).manual_seed(K)
     for t in range(3 * every):
-        pos = torch.tensor(2048 + 7 + t, device=DEV)
+        pos = torch.tensor(max(2048, K * S) + 7 + t, device=DEV)  # enough pages written for K - 1 chosen ones
         c0 = (int(pos) - 1) // S
         fresh = torch.rand(B, H, c0 + 1, generator=g, device=DEV).argsort(-1)[..., : K - 1].sort(-1).values
         fresh = torch.cat([fresh, torch.full((B, H, 1), 4096, device=DEV)], -1).to(torch.int32)
