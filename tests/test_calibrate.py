@@ -64,7 +64,7 @@ def test_calibrate_end_to_end_and_refusals():
     with one_thread():
         cfg = calibrate(model, IDS, budget=64, budgets=(32, 128), queries=4, tokens=256)
     assert isinstance(cfg, QuestConfig) and cfg.budget == 64 and len(cfg.layer_budgets) == 3
-    assert cfg.bounds == "int8"  # bounds="auto": the 8-bit bounds quest reads (fewer bytes at the same pages)
+    assert cfg.bounds == "key_dtype"  # the default; bounds="auto" / "int8": test_int8_bounds_buy_pages_...
     assert [resolve_bounds(p) for p in ("quest", "streaming", "qcode1_2s")] == ["int8", "key_dtype", "key_dtype"]
     assert resolve_bounds("quest", "key_dtype") == "key_dtype"
     with pytest.raises(ValueError, match="covers the 256-token calibration text"):
