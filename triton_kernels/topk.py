@@ -135,20 +135,28 @@ def _radix_tile(b_key, i_lo, i_shift, i_cnt, KK):
     the KK-th largest key T of each row stays in [i_lo, i_lo + 2^i_shift); `i_cnt` keys are >= i_lo. A row stops
     as soon as exactly KK keys are >= i_lo (then every key >= i_lo is chosen). Returns (i_lo, i_cnt)."""
     while tl.max(i_shift, axis=0) > 0:
-        m_act = i_shift > 0
         i_s = tl.maximum(i_shift - 2, 0)
         # Wrapping int32 arithmetic: i_lo + 3 << i_s stays below i_lo + 2^i_shift <= 2^31.
         i_pack = _counts_ge(b_key, i_lo + (1 << i_s), i_lo + (2 << i_s), i_lo + (3 << i_s))
-        c1 = (i_pack & 0xFFFF).to(tl.int32)
-        c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
-        c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
-        # Counts fall with the threshold; the digit is the last one still holding KK keys.
-        i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
-        c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
-        i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
-        i_cnt = tl.where(m_act, c_new, i_cnt)
-        i_shift = tl.where(m_act & (c_new != KK), i_s, 0)
+        i_lo, i_cnt, i_shift = _radix_digit(i_pack, i_lo, i_shift, i_cnt, KK)
     return i_lo, i_cnt
+
+
+@triton.jit
+def _radix_digit(i_pack, i_lo, i_shift, i_cnt, KK):
+    """One pass of the radix search from its three packed counts (keys >= i_lo + j << i_s, j = 1, 2, 3):
+    the next (i_lo, i_cnt, i_shift) of each row (rows already done, i_shift 0, stay as they are)."""
+    m_act = i_shift > 0
+    i_s = tl.maximum(i_shift - 2, 0)
+    c1 = (i_pack & 0xFFFF).to(tl.int32)
+    c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
+    c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
+    # Counts fall with the threshold; the digit is the last one still holding KK keys.
+    i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
+    c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
+    i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
+    i_cnt = tl.where(m_act, c_new, i_cnt)
+    return i_lo, i_cnt, tl.where(m_act & (c_new != KK), i_s, 0)
 
 
 @triton.jit
@@ -238,7 +246,6 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
         else:
             # (b) Radix search, 2 bits a pass, every row in the same passes, re-reading the tiles each pass.
             while tl.max(i_shift, axis=0) > 0:
-                m_act = i_shift > 0
                 i_s = tl.maximum(i_shift - 2, 0)
                 t1 = i_lo + (1 << i_s)
                 t2 = i_lo + (2 << i_s)
@@ -247,14 +254,7 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
                 for i_p0 in range(0, P, BLOCK_P):
                     i_pack += _counts_ge(_load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P),
                                          t1, t2, t3)
-                c1 = (i_pack & 0xFFFF).to(tl.int32)
-                c2 = ((i_pack >> 16) & 0xFFFF).to(tl.int32)
-                c3 = ((i_pack >> 32) & 0xFFFF).to(tl.int32)
-                i_digit = (c1 >= KK).to(tl.int32) + (c2 >= KK).to(tl.int32) + (c3 >= KK).to(tl.int32)
-                c_new = tl.where(i_digit == 3, c3, tl.where(i_digit == 2, c2, tl.where(i_digit == 1, c1, i_cnt)))
-                i_lo = tl.where(m_act, i_lo + (i_digit << i_s), i_lo)
-                i_cnt = tl.where(m_act, c_new, i_cnt)
-                i_shift = tl.where(m_act & (c_new != KK), i_s, 0)
+                i_lo, i_cnt, i_shift = _radix_digit(i_pack, i_lo, i_shift, i_cnt, KK)
 
     # (c) How many keys equal to T each row still needs after all keys above it.
     if SINGLE_TILE:
