@@ -208,7 +208,13 @@ def environment(device):
         machine = f"{torch.cuda.get_device_name(device)} ({machine})"
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
                 torch=torch.__version__, transformers=transformers.__version__, machine=machine,
-                device=str(device), command="python " + " ".join(sys.argv))
+                device=str(device), command=_env_prefix() + "python " + " ".join(sys.argv))
+
+
+def _env_prefix() -> str:
+    """The environment settings that change what a run measures (allocator, Triton), as `NAME=value ` prefixes."""
+    names = ("PYTORCH_CUDA_ALLOC_CONF", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+    return "".join(f"{n}={os.environ[n]} " for n in names if os.environ.get(n))
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
