@@ -41,6 +41,10 @@ MODEL_SHAPES = {
                       num_key_value_heads=32, vocab_size=32000),
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    # SmolLM2-135M's shape (GQA 9/3, head dim 64, 30 layers): the model the calibrated configs were measured on.
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
+                    tie_word_embeddings=True),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000),
     # Sliding-window GQA (every layer windowed): what the captured step must serve with window masking.

@@ -16,7 +16,9 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
 With `--beams N` every method runs beam search (HF's streamer cannot follow beams: per-token times then come
 from whole calls, (t(new tokens) - t(1 token)) / (new tokens - 1)).
 Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop check is deferred.
-A quest method may name another policy and page size: `quest_graph_c:qcode1_2s/32`.
+A quest method may name another policy, page size and bounds: `quest_graph_c:qcode1_2s/32`, `quest_graph_c:quest/16/int8`.
+`--calibrated FILE` adds one captured row (the defaults otherwise) per config of a `scripts/calibrate.py` result:
+per-layer budgets and dense layers as calibrated, named `calibrated:<file stem>=<budget>`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
@@ -25,6 +27,8 @@ The greedy tokens of the captured paths are compared with those of quest (same b
     python scripts/bench_e2e.py --shapes mistral-7b --lengths 32768 --methods dense static quest_graph_c
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --budgets 2048 \
         --methods static quest_graph_c quest:qcode1_2s/32 quest_graph_c:qcode1_2s/32
+    python scripts/bench_e2e.py --shapes smollm2 --lengths 8192 --budgets 256 512 1024 --methods static \
+        quest_graph_c --calibrated benchmarks/accuracy/calibrate_error_kd_smollm2.json
 """
 from __future__ import annotations
 
@@ -140,6 +144,9 @@ def main(argv=None):
     p.add_argument("--beams", type=int, default=1, help="num_beams of every generate() call (1: greedy)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calibrated", nargs="+", default=[], metavar="JSON",
+                   help="calibration results (scripts/calibrate.py): one captured row per config in each")
+    p.add_argument("--calibrated-budgets", type=int, nargs="+", default=None, help="only these of their configs")
     p.add_argument("--out", default=None, help="JSON path; a .md beside it (default results/bench_e2e/e2e.json)")
     args = p.parse_args(argv)
     args.out = args.out or str(results_dir("bench_e2e") / "e2e.json")
@@ -158,22 +165,28 @@ def main(argv=None):
                 ids = torch.randint(1, model.config.vocab_size, (B, L), device=device,
                                     generator=torch.Generator(device).manual_seed(L))
                 # In the order given: a slow method (static's compile at 64K) can go last and be cut short.
-                runs = [(m, b) for m in args.methods for b in (args.budgets if m.startswith("quest") else [None])]
+                runs = [(m, b, None) for m in args.methods for b in (args.budgets if m.startswith("quest") else [None])]
+                runs += calibrated_runs(args.calibrated, args.calibrated_budgets)
                 tokens = {}
-                for full, budget in runs:
+                for full, budget, config in runs:
                     method, _, policy = full.partition(":")
                     policy, _, page = policy.partition("/")
+                    page, _, bounds = page.partition("/")
+                    if config is not None:
+                        method = "quest_graph_c"
                     kw = dict(num_beams=args.beams) if args.beams > 1 else {}
                     if method in ("static", "static_defer"):
                         kw.update(cache_implementation="static")
                     elif method == "dense":
                         kw.update(disable_compile=True)
                     graph = method.startswith("quest_graph")
-                    if method.startswith("quest"):
+                    if config is not None:
+                        patch_model(model, config=config)
+                    elif method.startswith("quest"):
                         patch_model(model, budget=budget, cuda_graph="auto" if graph else False,
                                     compile_decode=method != "quest_graph",
                                     defer_stop_check=method != "quest_graph_c_sync",
-                                    policy=policy or "quest", page_size=int(page or 16))
+                                    policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype")
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
@@ -192,17 +205,18 @@ def main(argv=None):
                         graph and err is None and device.type == "cuda") else None
                     growing = "quest" + full[len(method):]  # the same policy, uncaptured (cuda_graph=False)
                     first_diff = None
-                    if graph and out is not None and tokens.get((growing, budget)) is not None:
+                    if graph and config is None and out is not None and tokens.get((growing, budget)) is not None:
                         ref = tokens[(growing, budget)]
                         same = bool(torch.equal(out, ref))
                         if not same and out.shape == ref.shape:  # the first new token that differs
                             first_diff = int((out != ref).any(0).nonzero()[0])
                     if method.startswith("quest") and out is not None:
-                        kept = model._quest_state.kept
-                        decode_path = kept.decode_path if kept is not None else None
+                        # no local name for the kept cache: it would stay alive into the next row's peak memory
+                        decode_path = getattr(model._quest_state.kept, "decode_path", None)
                     else:
                         decode_path = None
                     row = dict(shape=shape, length=L, batch=B, beams=args.beams, method=full, budget=budget,
+                               config=None if config is None else config_summary(config),
                                decode_path=decode_path, prefill_s=prefill,
                                step_ms=step * 1e3, step_mean_ms=mean * 1e3, stop_check_deferred=deferred,
                                first_steps_ms=[round(t * 1e3, 2) for t in first],
@@ -227,6 +241,26 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(write(args, rows))
+
+
+def calibrated_runs(paths, budgets):
+    """(name, budget, QuestConfig) per config of each calibration result file (`scripts/calibrate.py --out`)."""
+    from quest_hf import QuestConfig
+
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            configs = json.load(f)["configs"]
+        for b, entry in configs.items():
+            if budgets is None or int(b) in budgets:
+                runs.append((f"calibrated:{Path(path).stem}={b}", int(b), QuestConfig(**entry["config"])))
+    return runs
+
+
+def config_summary(config) -> dict:
+    """What a calibrated row ran: per-layer budgets, dense layers, bounds, policy."""
+    return dict(policy=config.policy, page_size=config.page_size, bounds=config.bounds, dense=config.dense,
+                dense_layers=config.dense_layers, layer_budgets=config.layer_budgets)
 
 
 def write(args, rows) -> str:
