@@ -13,8 +13,8 @@ over the device-to-device copy bandwidth measured in the same run.
 
 `--bounds int8` rows score 8-bit page bounds (QuestConfig(bounds="int8"); the layer requantizes the page it wrote
 inside its append launch, which no row here times, as for the key-dtype bounds). `--reselect-every K` rows
-(QuestConfig(reselect_every=K)) add the step between selections ("skip": the score kernel reads its device flag
-and writes the forced pages only, the Top-K runs over that row, the reuse kernel merges the stored selection and
+(QuestConfig(reselect_every=K)) add the step between selections ("skip": the score and Top-K launches read their
+device flag and return at once, reading and writing nothing, the reuse kernel merges the stored selection and
 the pages started since, attention) and the amortised step `(full + (K - 1) * skip) / K`.
 
 Timer: quest_hf.bench (CUDA events per call after a GPU spin, median, no L2 flush), rotating over input sets
@@ -109,11 +109,12 @@ class Step:
                                           launch=self.launch["attn"])
 
     def skip(self):
-        """A step between selections (reselect_every > 1): flagged score, Top-K, the reuse merge, attention. (+ one
-        4-byte fill the layer's step has not: the merge sets the next step's flag, and every timed step must skip)"""
+        """A step between selections (reselect_every > 1): flagged score and Top-K (both return at once), the reuse
+        merge, attention. (+ one 4-byte fill the layer's step has not: the merge sets the next step's flag, and
+        every timed step must skip)"""
         self.not_due.zero_()
         s = self.score(due=self.not_due)
-        fresh = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
+        fresh = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"], due=self.not_due)
         ids = reused_pages(self.reuse_layer, fresh, self.not_due, self.every)
         return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
                                           launch=self.launch["attn"])
@@ -128,9 +129,9 @@ class Step:
         return meta + scores + kv, chosen
 
     def skip_bytes_read(self):
-        """A reusing step: no bounds, the forced scores written and read, the same chosen K/V (no new page here)."""
+        """A reusing step: no bounds, no scores (neither written nor read), the same chosen K/V (no new page here)."""
         chosen = int((self.ids >= 0).sum().item())
-        return 2 * self.scores.numel() * 4 + chosen * PAGE * self.kmin.shape[-1] * self.kmin.element_size() * 2
+        return chosen * PAGE * self.kmin.shape[-1] * self.kmin.element_size() * 2
 
 
 class _ReuseState:
@@ -359,8 +360,13 @@ def check_bounds_reuse(sizes=((32, 8, 128, 32768 + 5, 1), (32, 32, 128, 8192 + 3
                 torch.testing.assert_close(out.float(), o_ref.float(), atol=2e-2, rtol=2e-2)
                 if every > 1:  # a reusing step attends the stored selection: the same output here
                     torch.testing.assert_close(st.skip().float(), o_ref.float(), atol=2e-2, rtol=2e-2)
-                    skipped = tk.score_pages(q, lo, hi, L, PAGE, 0, st.reduce, due=st.not_due, **kw)
-                    assert torch.isinf(skipped).all(), "a reusing step's score row is not the forced pages only"
+                    st.not_due.zero_()  # a reusing step's score and Top-K launches write nothing
+                    poisoned = torch.full_like(st.scores, 7.0)
+                    tk.score_pages(q, lo, hi, L, PAGE, 0, st.reduce, due=st.not_due, out=poisoned, **kw)
+                    assert (poisoned == 7.0).all(), "a reusing step's score launch wrote its output"
+                    untouched = torch.full_like(st.ids, 0x5A5A)
+                    tk.topk_pages(st.scores, 17, st.group, due=st.not_due, out=untouched)
+                    assert (untouched == 0x5A5A).all(), "a reusing step's Top-K launch wrote its output"
     print("check: 8-bit bounds and reuse steps match their references", flush=True)
 
 

@@ -183,19 +183,25 @@ def test_triton_backend_on_cpu_is_refused_by_patch_model(monkeypatch):
     assert model._quest_state.config.backend == "auto"
 
 
-@pytest.mark.parametrize("cuda_graph", [False, "auto"], ids=["eager", "auto"])
-def test_triton_backend_interpreted_gives_the_torch_backends_tokens(cuda_graph, single_thread):
+@pytest.mark.parametrize("cuda_graph, every", [(False, 1), ("auto", 1), (False, 2), ("auto", 4)],
+                         ids=["eager", "auto", "eager-reuse2", "auto-reuse4"])
+def test_triton_backend_interpreted_gives_the_torch_backends_tokens(cuda_graph, every, single_thread):
     # The kernels (interpreted on CPU) inside a patched GQA model at a budget that selects 2 of ~6 pages:
     # the same greedy tokens and near-equal logits as the PyTorch twins. The static step (cuda_graph=True, run
-    # uncaptured on CPU) forces the current page from the device position inside the score kernel.
+    # uncaptured on CPU) forces the current page from the device position inside the score kernel. With
+    # selection reuse (reselect_every=k) a reusing step's score and Top-K launches return at once, writing nothing.
     model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
     ids, mask = left_padded_batch(lengths=(80, 57))
-    kw = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=5 if every == 1 else 2 * every + 1, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
     dense = model.generate(ids, attention_mask=mask, **kw)
     out = {}
     for backend in ("torch", "triton"):
-        patch_model(model, budget=32, backend=backend, cuda_graph=cuda_graph)
+        patch_model(model, budget=32, backend=backend, cuda_graph=cuda_graph, reselect_every=every)
         out[backend] = model.generate(ids, attention_mask=mask, **kw)
+        if every > 1:  # every decode step of the sparse layer went through the reuse path
+            reusing = [la for la in out[backend].past_key_values.layers if la.reuse]
+            assert reusing and all(int(la.reuse["step"]) == kw["max_new_tokens"] - 1 for la in reusing)
         cache = out[backend].past_key_values
         assert cache.backends == {backend} and all(type(x) is QuestLayer for x in cache.layers)
     assert torch.equal(out["torch"].sequences, out["triton"].sequences)

@@ -35,6 +35,28 @@ def check_query(q, num_kv_heads: int, head_dim: int, batch: int):
     return q.shape[1] // num_kv_heads
 
 
+def check_due(due, device):
+    """Selection reuse's device flag (`score_pages(due=)`, `topk_pages(due=)`): one integer or bool element on
+    `device`, or None."""
+    if due is not None and (due.numel() != 1 or due.device != device or due.is_floating_point()):
+        raise ValueError(f"due must be one integer or bool tensor on {device}, got {due.dtype} {tuple(due.shape)} "
+                         f"on {due.device}")
+
+
+def due_arg(due, fallback):
+    """What a kernel's `due_ptr` receives: the flag (a bool one viewed as uint8), or `fallback` (never read)."""
+    if due is None:
+        return fallback
+    return due.view(torch.uint8) if due.dtype == torch.bool else due
+
+
+def check_out(out, shape, dtype, device, name="out"):
+    """A caller's output buffer (`out=`): exactly `shape` and `dtype` on `device` (any strides), or None."""
+    if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device):
+        raise ValueError(f"{name} must be {dtype} {tuple(shape)} on {device}, got {out.dtype} {tuple(out.shape)} "
+                         f"on {out.device}")
+
+
 # Triton is optional: the references above must import (and run) where it is missing. The stub keeps the
 # kernels' `tl.constexpr` annotations and `@triton.jit` decorators valid at import; launchers call
 # `require_triton()` before touching them.

@@ -4,9 +4,10 @@ chosen every `k` steps, and the device state that carries the choice between ste
 State (device tensors, updated in place so a captured step replays it): `stored` int32 `[B, H_kv, K]` the last
 chosen selection (ascending, the spare page last, then -1), `since` int64 `[]` the position it was chosen at,
 `step` int64 `[]` decode steps since then, `due` int32 `[]` whether this step chooses (read by `score_pages(due=)`
-before this runs). One step:
+and `topk_pages(due=)` before this runs: on a reusing step both launches return at once, so `fresh` is then
+unwritten, and is read only where due). One step:
 
-    stored = fresh where due                       (fresh: this step's Top-K; a reusing step's is discarded)
+    stored = fresh where due                       (fresh: this step's Top-K; unwritten on a reusing step, unread)
     c0 = (since - 1) // S, since = pos where due   (c0: the page that was current when `stored` was chosen)
     out = stored less the spare page, then pages c0 + 1 .. cur (started since: empty then, so never in `stored`),
           then the spare page, then -1             ([B, H_kv, K + E], E = ceil((k - 1) / S): at most E new pages)
@@ -80,7 +81,8 @@ def _reuse_pages_kernel(
     o_j = tl.arange(0, BLOCK)
     m_in = o_j < K
     b_old = tl.load(stored_ptr + r * stride_sr + o_j * stride_sk, mask=m_in, other=-1)
-    b_new = tl.load(fresh_ptr + r * stride_fr + o_j * stride_fk, mask=m_in, other=-1)
+    # A reusing step's Top-K returned without writing `fresh` (topk_pages(due=)): read only where due.
+    b_new = tl.load(fresh_ptr + r * stride_fr + o_j * stride_fk, mask=o_j < tl.where(due, K, 0), other=-1)
     b_ids = tl.where(due, b_new, b_old)
     tl.store(stored_ptr + r * stride_sr + o_j * stride_sk, b_ids, mask=m_in)
     n = tl.sum((b_ids >= 0).to(tl.int32), axis=0)  # valid ids; the last one is the spare page (always chosen)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_query, next_pow2, require_triton, tl, triton
+from ._common import check_due, check_out, check_query, due_arg, next_pow2, require_triton, tl, triton
 
 __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 
@@ -35,9 +35,7 @@ def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale=None):
 
 
 def _check_pos(pos, device, window=0, window_start=0, due=None):
-    if due is not None and (due.numel() != 1 or due.device != device or due.is_floating_point()):
-        raise ValueError(f"due must be one integer or bool tensor on {device}, got {due.dtype} {tuple(due.shape)} "
-                         f"on {due.device}")
+    check_due(due, device)
     if pos is not None and (pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device):
         raise ValueError(f"pos must be one integer tensor on {device}, "
                          f"got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
@@ -72,7 +70,7 @@ def gather_rows(t, rows):
 
 
 def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                    pos=None, window: int = 0, rows=None, scale=None, due=None):
+                    pos=None, window: int = 0, rows=None, scale=None, due=None, *, out=None):
     """Score the `P = ceil(seq_len / S)` pages of a layer for one decode query.
 
     q `[B, H_q, D]`; kmin/kmax `[B, H_kv, P_cap, D]`. Returns fp32 `[B, H_q, P]` (`reduce="none"`) or
@@ -84,11 +82,15 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     `p` of sequence `b` is read from batch row `rows[b, p]`.
 
     8-bit bounds (triton_kernels/bounds8.py): kmin/kmax int8 codes with `scale` fp32 `[B, H_kv, P_cap]`; the
-    bounds are `code * scale` (one fp32 product, as bounds8 rounded them). `due` (one device integer, selection
-    reuse): where it is 0 no bound is read and only the forced pages score (+inf; every other page -inf).
+    bounds are `code * scale` (one fp32 product, as bounds8 rounded them). `out`: fp32 of the result's shape,
+    written and returned instead of a fresh tensor. `due` (one device integer, selection reuse): where it is 0 the
+    scores are unspecified and unused (`score_pages` reads and writes nothing then, nor does `topk_pages` given the
+    same flag read them): `out` keeps its values; without `out=` this returns the forced pages only (+inf; every
+    other page -inf). Device ops only, no host sync.
     """
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale)
     _check_pos(pos, q.device, window, window_start, due)
+    check_out(out, (B, H * G if reduce == "none" else H, P), torch.float32, q.device)
     check_rows(rows, B, P, q.device)
     kmin, kmax = gather_rows(kmin[:, :, :P], rows), gather_rows(kmax[:, :, :P], rows)
     qf = q.float().reshape(B, H, G, 1, D)
@@ -111,11 +113,10 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     s[..., P - 1] = float("inf")
     if pos is not None:
         s.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
-    if reduce == "max":
-        return s.amax(2)
-    if reduce == "sum":
-        return s.sum(2)
-    return s.reshape(B, H * G, P)
+    s = s.amax(2) if reduce == "max" else s.sum(2) if reduce == "sum" else s.reshape(B, H * G, P)
+    if out is None:
+        return s
+    return out.copy_(s if due is None else torch.where(due.view(()) != 0, s, out))
 
 
 @dataclass(frozen=True)
@@ -184,20 +185,6 @@ def _score_block(
 
 
 @triton.jit
-def _forced_block(out_ptr, i_b, i_h, o_p, stride_ob, stride_oh, stride_op, P, CUR,
-                  G: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr):
-    """A step that reuses its stored selection: no bound is read, pages P - 1 and CUR +inf, the others -inf
-    (the forced pages only, so that the Top-K after it sees a fixed, cheap row)."""
-    m_p = o_p < P
-    b_s = tl.where((o_p == P - 1) | (o_p == CUR), float("inf"), float("-inf"))
-    if REDUCE == 0:
-        for g in tl.static_range(G):
-            tl.store(out_ptr + i_b * stride_ob + (i_h * G + g) * stride_oh + o_p * stride_op, b_s, mask=m_p)
-    else:  # the max or the sum of G equal rows of +-inf is that row
-        tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_s, mask=m_p)
-
-
-@triton.jit
 def _score_pages_kernel(
     q_ptr, kmin_ptr, kmax_ptr, out_ptr, pos_ptr, rows_ptr, scale_ptr, due_ptr,
     stride_qb, stride_qh, stride_qd,
@@ -209,52 +196,59 @@ def _score_pages_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
-    i_b = i_bh // H_KV
-    o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    if HAS_ROWS:  # beam search: each page of this sequence lives in the batch row its page table names
-        o_row = tl.load(rows_ptr + i_b * stride_rb + o_p, mask=o_p < P, other=0).to(tl.int64)
-    else:
-        o_row = tl.zeros([BLOCK_P], dtype=tl.int64) + i_b
-    cur = P - 1
-    if HAS_POS:  # the page of the last token written, read on the device (no host sync, graph-capturable)
-        i_pos = tl.load(pos_ptr).to(tl.int32)
-        cur = (i_pos - 1) // PAGE
-        if WINDOW > 0:  # sliding window: pages ending before the window's first slot are never chosen
-            P_DEAD = tl.maximum(i_pos - WINDOW, 0) // PAGE
+    # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
+    # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
+    # the same flag and none of these scores. Without HAS_DUE `due` is the Python int 1: no branch is emitted.
     due = 1
-    if HAS_DUE:  # selection reuse: a step that keeps its stored pages skips every bound read
+    if HAS_DUE:
         due = tl.load(due_ptr).to(tl.int32)
     if due != 0:
+        i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
+        i_b = i_bh // H_KV
+        o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        if HAS_ROWS:  # beam search: each page of this sequence lives in the batch row its page table names
+            o_row = tl.load(rows_ptr + i_b * stride_rb + o_p, mask=o_p < P, other=0).to(tl.int64)
+        else:
+            o_row = tl.zeros([BLOCK_P], dtype=tl.int64) + i_b
+        cur = P - 1
+        p_dead = P_DEAD
+        if HAS_POS:  # the page of the last token written, read on the device (no host sync, graph-capturable)
+            i_pos = tl.load(pos_ptr).to(tl.int32)
+            cur = (i_pos - 1) // PAGE
+            if WINDOW > 0:  # sliding window: pages ending before the window's first slot are never chosen
+                p_dead = tl.maximum(i_pos - WINDOW, 0) // PAGE
         _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_bh % H_KV, o_p, o_row,
                      stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                      stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
-                     P, P_DEAD, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
+                     P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
                      scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE)
-    else:
-        _forced_block(out_ptr, i_b, i_bh % H_KV, o_p, stride_ob, stride_oh, stride_op, P, cur, G, BLOCK_P, REDUCE)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                pos=None, window: int = 0, rows=None, scale=None, due=None, *, launch: ScoreLaunch = SCORE_LAUNCH):
+                pos=None, window: int = 0, rows=None, scale=None, due=None, *, launch: ScoreLaunch = SCORE_LAUNCH,
+                out=None):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
     on D is fastest), in a float dtype or int8 codes with `scale` (constexpr USE_SCALE: half the bytes of fp16
-    bounds, plus 4 a page). `due` (HAS_DUE): a device flag read by every program; 0 skips the bound reads and
-    writes the forced pages only. Returns a fresh contiguous fp32 `[B, H_q, P]` (`"none"`) or `[B, H_kv, P]`.
+    bounds, plus 4 a page). `due` (HAS_DUE): a device flag every program reads first; 0 (a step that reuses its
+    stored selection) returns at once: nothing else read, nothing written (`out` keeps its values; a fresh result
+    stays unwritten, which `topk_pages(due=)` under the same flag never reads). Returns a fresh contiguous fp32
+    `[B, H_q, P]` (`"none"`) or `[B, H_kv, P]`, or `out` (that shape, any strides) filled.
     """
     require_triton()
     B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale)
     _check_pos(pos, q.device, window, window_start, due)
     check_rows(rows, B, P, q.device)
-    out = torch.empty(B, H * G if reduce == "none" else H, P, dtype=torch.float32, device=q.device)
+    shape = (B, H * G if reduce == "none" else H, P)
+    check_out(out, shape, torch.float32, q.device)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
     grid = (B * H, triton.cdiv(P, launch.block_p))
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     _score_pages_kernel[grid](
         q, kmin, kmax, out, pos if pos is not None else out, rows if rows is not None else out,
-        scale if scale is not None else out, due.view(torch.uint8) if due is not None and due.dtype == torch.bool
-        else (due if due is not None else out),
+        scale if scale is not None else out, due_arg(due, out),
         q.stride(0), q.stride(1), q.stride(2),
         kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
         kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),

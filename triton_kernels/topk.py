@@ -3,12 +3,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import next_pow2, require_triton, tl, triton
+from ._common import check_due, check_out, due_arg, next_pow2, require_triton, tl, triton
 
 __all__ = ["topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref"]
 
 
-def _check(scores, k, group):
+def _check(scores, k, group, due=None, out=None):
     if scores.dim() != 3 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [B, R, P], got {scores.dtype} {tuple(scores.shape)}")
     B, R, P = scores.shape
@@ -16,29 +16,39 @@ def _check(scores, k, group):
         raise ValueError(f"need k >= 1 and group >= 1 dividing {R} rows, got k={k}, group={group}")
     if P >= 1 << 16:
         raise ValueError(f"at most {(1 << 16) - 1} pages a row (16-bit counters), got {P}")
+    check_due(due, scores.device)
+    check_out(out, (B, R // group, min(group * k, P)), torch.int32, scores.device)
     return B, R, P, min(group * k, P)
 
 
-def topk_pages_ref(scores, k: int, group: int = 1, mask_rest: bool = False):
+def topk_pages_ref(scores, k: int, group: int = 1, mask_rest: bool = False, *, due=None, out=None):
     """Choose the `k` best pages of each row of `scores [B, R, P]`, then unite each `group` consecutive rows.
 
     Pages scoring `-inf` are never chosen. Returns int32 `[B, R // group, min(group * k, P)]`: the chosen ids
     of each group in ascending order, then `-1`. Ties at the k-th score are broken arbitrarily.
     `mask_rest=True` also sets, in place, every score that its own row did not choose to `-inf` (a two-stage
     selector then rewrites only its candidates' entries; no second buffer to fill).
+    `out`: int32 of that shape, written and returned instead of a fresh tensor. `due` (one device integer or bool,
+    selection reuse's flag, `QuestConfig.reselect_every`): where it is 0 `out` and `scores` keep their values
+    (without `out=` the returned ids are then unspecified: `topk_pages` leaves its fresh tensor unwritten; these
+    are the ids of `scores`). Device ops only, no host sync.
     """
-    B, R, P, K_out = _check(scores, k, group)
+    B, R, P, K_out = _check(scores, k, group, due, out)
     top = scores.topk(min(k, P), dim=-1)
     chosen = torch.zeros(B, R, P, dtype=torch.bool, device=scores.device)
     chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+    now = None if due is None else due.view(()) != 0
     if mask_rest:
-        scores.masked_fill_(~chosen, float("-inf"))
+        scores.masked_fill_(~chosen if now is None else ~chosen & now, float("-inf"))
     chosen = chosen.reshape(B, R // group, group, P).any(2)
     ids = torch.arange(P, device=scores.device).expand_as(chosen)
     # Unchosen pages sort after every chosen one, keeping the chosen ones ascending.
     key = torch.where(chosen, ids, ids + P)
-    out = key.sort(-1).values[..., :K_out]
-    return torch.where(out < P, out, -1).to(torch.int32)
+    ids = key.sort(-1).values[..., :K_out]
+    ids = torch.where(ids < P, ids, -1).to(torch.int32)
+    if out is None:
+        return ids
+    return out.copy_(ids if now is None else torch.where(now, ids, out))
 
 
 @dataclass(frozen=True)
@@ -304,57 +314,74 @@ def _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, strid
 
 @triton.jit
 def _topk_pages_kernel(
-    s_ptr, out_ptr,
+    s_ptr, out_ptr, due_ptr,
     stride_sb, stride_sr, stride_sp,
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr,
+    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
 ):
-    i_bg = tl.program_id(0).to(tl.int64)
-    i_b = i_bg // R_OUT
-    i_g = i_bg % R_OUT
-    _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
-               stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST,
-               RANK_BITS)
+    # HAS_DUE (selection reuse): on a step that reuses its stored pages every program returns here, having read
+    # one flag and nothing of its row, so the launch (fixed grid: a captured step) is nearly empty.
+    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
+    if HAS_DUE:
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        i_bg = tl.program_id(0).to(tl.int64)
+        i_b = i_bg // R_OUT
+        i_g = i_bg % R_OUT
+        _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
+                   stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST,
+                   RANK_BITS)
 
 
 @triton.jit
 def _topk_thresholds_kernel(
-    s_ptr, thr_ptr, need_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
-    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr,
+    s_ptr, thr_ptr, need_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
+    BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
 ):
-    """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group)."""
-    i_row = tl.program_id(0).to(tl.int64)
-    i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr, stride_sp,
-                                      P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS)
-    o_1 = tl.arange(0, 1)
-    tl.store(thr_ptr + i_row + o_1, i_lo)
-    tl.store(need_ptr + i_row + o_1, i_need)
+    """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group).
+    A reusing step (HAS_DUE, flag 0) writes no threshold: pass 2 reads the same flag and none."""
+    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
+    if HAS_DUE:
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        i_row = tl.program_id(0).to(tl.int64)
+        i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr,
+                                          stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS)
+        o_1 = tl.arange(0, 1)
+        tl.store(thr_ptr + i_row + o_1, i_lo)
+        tl.store(need_ptr + i_row + o_1, i_need)
 
 
 @triton.jit
 def _topk_union_kernel(
-    s_ptr, thr_ptr, need_ptr, out_ptr,
+    s_ptr, thr_ptr, need_ptr, out_ptr, due_ptr,
     stride_sb, stride_sr, stride_sp, stride_ob, stride_or, stride_ok,
     R_OUT, P, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    HAS_DUE: tl.constexpr,
 ):
-    """Split union, pass 2: one program per group unites its rows' picks given their thresholds."""
-    i_bg = tl.program_id(0).to(tl.int64)
-    i_b = i_bg // R_OUT
-    i_g = i_bg % R_OUT
-    p_rows = s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr
-    o_r = tl.arange(0, GROUP_PAD)
-    m_r = o_r < GROUP
-    i_lo = tl.load(thr_ptr + i_bg * GROUP + o_r, mask=m_r, other=INT_MAX)
-    i_need = tl.load(need_ptr + i_bg * GROUP + o_r, mask=m_r, other=0)
-    if SINGLE_TILE:
-        b_key1 = _load_keys(p_rows, o_r, tl.arange(0, BLOCK_P), stride_sr, stride_sp, GROUP, P)
-    else:
-        b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)
-    _pick_union(p_rows, out_ptr + i_b * stride_ob + i_g * stride_or, b_key1, i_lo, i_need, stride_sr, stride_sp,
-                stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False)
+    """Split union, pass 2: one program per group unites its rows' picks given their thresholds (none on a
+    reusing step: HAS_DUE, flag 0, returns before reading them or the scores)."""
+    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
+    if HAS_DUE:
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        i_bg = tl.program_id(0).to(tl.int64)
+        i_b = i_bg // R_OUT
+        i_g = i_bg % R_OUT
+        p_rows = s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr
+        o_r = tl.arange(0, GROUP_PAD)
+        m_r = o_r < GROUP
+        i_lo = tl.load(thr_ptr + i_bg * GROUP + o_r, mask=m_r, other=INT_MAX)
+        i_need = tl.load(need_ptr + i_bg * GROUP + o_r, mask=m_r, other=0)
+        if SINGLE_TILE:
+            b_key1 = _load_keys(p_rows, o_r, tl.arange(0, BLOCK_P), stride_sr, stride_sp, GROUP, P)
+        else:
+            b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)
+        _pick_union(p_rows, out_ptr + i_b * stride_ob + i_g * stride_or, b_key1, i_lo, i_need, stride_sr,
+                    stride_sp, stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False)
 
 
 def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
@@ -370,51 +397,60 @@ def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     return block_p, warps, single
 
 
-def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launch: TopKLaunch = TOPK_LAUNCH):
+def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launch: TopKLaunch = TOPK_LAUNCH,
+               due=None, out=None):
     """Triton twin of `topk_pages_ref`.
 
-    scores fp32 `[B, R, P]` (any strides; NaN-free). Returns a fresh int32 `[B, R // group, min(group * k, P)]`.
-    Ties at the k-th score go to the lowest page ids. No torch.topk: one program per (b, group) finds the k-th
+    scores fp32 `[B, R, P]` (any strides; NaN-free). Returns a fresh int32 `[B, R // group, min(group * k, P)]`
+    (or `out`, of that shape, any strides). Ties at the k-th score go to the lowest page ids. No torch.topk: one
+    program per (b, group) finds the k-th
     largest score of each of its rows together, by a radix search on the fp32 bit pattern that starts at the
     bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
     Unions (group > 1, `launch.split_union`) take two launches instead: a program per row finds its threshold,
     then a program per group writes the union (same ids). `launch`: a `TopKLaunch` (benchmarks and tests vary it).
+    `due` (HAS_DUE: selection reuse's device flag, the one `score_pages(due=)` read): every program loads it first
+    and, where it is 0, returns before loading its row: nothing is read or written (`out`, the scores under
+    `mask_rest` and the split union's thresholds keep their values; a fresh result stays unwritten), so a reusing
+    step, captured or not, costs a nearly empty launch. `reuse_pages` reads this result only where the flag is 1.
     """
     require_triton()
-    B, R, P, K_out = _check(scores, k, group)
-    out = torch.empty(B, R // group, K_out, dtype=torch.int32, device=scores.device)
+    B, R, P, K_out = _check(scores, k, group, due, out)
+    if out is None:
+        out = torch.empty(B, R // group, K_out, dtype=torch.int32, device=scores.device)
     if group > 1 and launch.split_union and not mask_rest and launch.num_warps is None and launch.block_p is None:
-        _split_union(scores, out, k, group, launch)
+        _split_union(scores, out, k, group, launch, due)
         return out
     block_p, warps, single = launch_config(P, group, launch)
     if launch.block_p is not None:
         block_p, single = launch.block_p, launch.block_p >= P
     _topk_pages_kernel[(B * (R // group),)](
-        scores, out,
+        scores, out, due_arg(due, out),
         scores.stride(0), scores.stride(1), scores.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        RANK_BITS=launch.rank_bits, num_warps=launch.num_warps or warps,
+        RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, num_warps=launch.num_warps or warps,
     )
     return out
 
 
-def _split_union(scores, out, k, group, launch):
+def _split_union(scores, out, k, group, launch, due=None):
     B, R, P = scores.shape
     thr = torch.empty(B * R, dtype=torch.int32, device=scores.device)
     need = torch.empty_like(thr)
+    flag = due_arg(due, thr)
     block_p, warps, single = launch_config(P, 1, launch)
     _topk_thresholds_kernel[(B * R,)](
-        scores, thr, need, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
-        BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, num_warps=warps,
+        scores, thr, need, flag, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
+        BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, num_warps=warps,
     )
     block_p, warps, single = launch_config(P, group, launch)
     _topk_union_kernel[(B * (R // group),)](
-        scores, thr, need, out,
+        scores, thr, need, out, flag,
         scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
         R // group, P, out.shape[2],
-        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, num_warps=warps,
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, HAS_DUE=due is not None,
+        num_warps=warps,
     )
 
 

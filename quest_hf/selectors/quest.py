@@ -7,8 +7,9 @@ from .base import Selector, metadata_bytes, reused_pages
 
 class QuestSelector(Selector):
     """`QuestConfig.bounds="int8"`: the score reads the layer's 8-bit bounds (`kmin8/kmax8/kscale`).
-    `reselect_every=k > 1`: the score and Top-K choose every k steps (`reused_pages`); in between the score kernel
-    reads a device flag and writes the forced pages only."""
+    `reselect_every=k > 1`: the score and Top-K choose every k steps (`reused_pages`); in between both launches
+    read the layer's device flag and return at once (no bound or score read, nothing written), and the reuse
+    kernel attends the stored selection."""
 
     paged_reorder = True
     int8_bounds = True
@@ -28,7 +29,7 @@ class QuestSelector(Selector):
         # device position inside the kernel, the spare last page by the kernel itself (+ 1 page).
         scores = ops.score_pages(q, lo, hi, layer.keys.shape[2], cfg.page_size, 0, reduce,
                                  pos=layer.pos, window=window, rows=layer.rows, scale=scale, due=due)
-        ids = ops.topk_pages(scores, k, group)
+        ids = ops.topk_pages(scores, k, group, due=due)  # due=0: unwritten, and unread by reused_pages
         return ids if due is None else reused_pages(layer, ids, due, cfg.reselect_every)
 
     def bytes_per_step(self, seq_len, kv_heads, head_dim, elt, page_size, pages_read, budget, group,

@@ -1,5 +1,6 @@
 """GPU-marked: 8-bit page bounds and selection reuse (#16 points 3, 4) compiled at real sizes against their twins,
-and captured decode steps against the same steps run eagerly.
+and captured decode steps against the same steps run eagerly (a reusing step's score and Top-K launches write
+nothing: checked inside a captured graph).
 
 Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu/test_gpu_bounds_reuse.py`.
 """
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from quest_hf import QuestCache, patch_model
+from quest_hf import QuestCache, QuestConfig, QuestLayer, patch_model
+from quest_hf.attention import decode_attention
 from quest_hf.bench import random_llama
 from triton_kernels.bounds8 import empty_bounds8
 
@@ -55,12 +57,16 @@ def test_compiled_int8_and_flagged_kernels_match_their_twins_at_real_sizes(B, Hq
         torch.testing.assert_close(s[fin], s_ref[fin], atol=1e-2, rtol=1e-3)
         exact = tk.score_pages_ref(q, kmin, kmax, C, S, 0, reduce, pos=pos)
         assert (s_ref[fin] >= exact[fin]).all()
-        for due in (torch.tensor(True, device=DEV), torch.tensor(0, device=DEV)):
+        for due in (torch.tensor(True, device=DEV), torch.tensor(1, device=DEV)):
             got = tk.score_pages(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2], due=due)
             want = tk.score_pages_ref(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2], due=due)
             fin = want.isfinite()
             assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin])
             torch.testing.assert_close(got[fin], want[fin], atol=1e-2, rtol=1e-3)
+        for due in (torch.tensor(False, device=DEV), torch.tensor(0, device=DEV)):  # a reusing step: no write
+            out = torch.full_like(s, 7.0)
+            tk.score_pages(q, mine[0], mine[1], C, S, 0, reduce, pos=pos, scale=mine[2], due=due, out=out)
+            assert (out == 7.0).all()
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +112,106 @@ def test_captured_steps_with_int8_bounds_and_reuse_give_the_eager_tokens(llama, 
     if "reselect_every" in options:
         sparse = [layer for layer in c_c.layers if layer.reuse]
         assert sparse and all(int(la.reuse["step"]) == int(sparse[0].reuse["step"]) for la in sparse)
+
+
+SENTINEL = 0x5A5A5A5A
+
+
+@pytest.mark.parametrize("B, Hq, H, reduce", [
+    pytest.param(1, 32, 32, "none", id="llama2-7b-union"),
+    pytest.param(1, 32, 8, "none", id="llama3-8b-union"),
+    pytest.param(1, 32, 8, "max", id="llama3-8b-max"),
+    pytest.param(8, 32, 32, "none", id="llama2-7b-B8-union"),
+])
+def test_captured_reusing_step_score_and_topk_write_nothing_at_32k(B, Hq, H, reduce):
+    # One captured score + Top-K at 32K, budget 2048, replayed with the device flag at 1 (a due step: today's
+    # scores and ids) and at 0 (a reusing step: every program returns at once, both outputs untouched).
+    D, S, L, k = 128, 16, 32768 + 5, 2048 // 16 + 1
+    C = -(-(L + 64) // S) * S + S
+    kmin, kmax = _bounds(B, H, D, L, C)
+    q = (torch.randn(B, Hq, D, device=DEV, generator=torch.Generator(DEV).manual_seed(2)) * 4).half()
+    pos = torch.tensor(L, device=DEV)
+    group = Hq // H if reduce == "none" else 1
+    want_s = tk.score_pages(q, kmin, kmax, C, S, 0, reduce, pos=pos)
+    want = tk.topk_pages(want_s, k, group)
+    due = torch.ones((), dtype=torch.int32, device=DEV)
+    scores, ids = torch.full_like(want_s, 7.0), torch.full_like(want, SENTINEL)
+
+    def flagged():
+        tk.score_pages(q, kmin, kmax, C, S, 0, reduce, pos=pos, due=due, out=scores)
+        tk.topk_pages(scores, k, group, due=due, out=ids)
+
+    def same_as_unflagged():
+        fin = want_s.isfinite()
+        assert torch.equal(scores.isfinite(), fin) and torch.equal(scores[~fin], want_s[~fin])
+        torch.testing.assert_close(scores[fin], want_s[fin], atol=1e-3, rtol=1e-4)
+        assert torch.equal(ids, tk.topk_pages(scores.clone(), k, group))  # the flag at 1: unflagged Top-K's ids
+
+    flagged()  # compiles the flagged variants outside the capture
+    same_as_unflagged()
+    assert torch.equal(ids, want) or not torch.equal(scores, want_s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flagged()
+    for flag in (0, 1, 0, 0, 1):
+        scores.fill_(7.0)
+        ids.fill_(SENTINEL)
+        due.fill_(flag)
+        graph.replay()
+        torch.cuda.synchronize()
+        if flag:
+            same_as_unflagged()
+        else:
+            assert (scores == 7.0).all(), "a reusing step's score launch wrote its output"
+            assert (ids == SENTINEL).all(), "a reusing step's Top-K launch wrote its output"
+
+
+def _decode(layer, k, v, q):
+    """One decode step of a sparse layer as the patched model runs it: append, select (reuse), attend."""
+    layer.update(k, v)
+    seen = []
+    out = decode_attention(layer, q, q.shape[-1] ** -0.5, False, 0, seen.append)
+    return seen[0], out
+
+
+@pytest.mark.parametrize("Hq, H", [pytest.param(32, 32, id="llama2-7b"), pytest.param(32, 8, id="llama3-8b")])
+def test_captured_reuse_step_at_32k_gives_the_eager_pages_and_outputs(Hq, H):
+    # Two identical layers at 32K, budget 2048, reselect_every=4: one stepped eagerly, one through a hand-captured
+    # CUDA graph of the same step (append at the device position, flagged score + Top-K, reuse merge, attention),
+    # replayed over three intervals: each step's page ids and attention output equal the eager ones.
+    B, D, S, L, every, steps = 1, 128, 16, 32768, 4, 13
+    g = torch.Generator(DEV).manual_seed(0)
+    prompt = [(torch.randn(B, H, L, D, generator=g, device=DEV) * 4).half() for _ in range(2)]
+    toks = [((torch.randn(B, H, 1, D, generator=g, device=DEV) * 4).half(),
+             torch.randn(B, H, 1, D, generator=g, device=DEV).half(),
+             (torch.randn(B, Hq, D, generator=g, device=DEV) * 4).half()) for _ in range(steps + 1)]
+    cfg = QuestConfig(budget=2048, page_size=S, reselect_every=every, backend="triton")
+    eager, capt = QuestLayer(cfg, capacity=L + 64), QuestLayer(cfg, capacity=L + 64)
+    for layer in (eager, capt):
+        layer.update(*prompt)
+    want, chose = [], []
+    for x in toks:
+        chose.append(int(eager.reuse["due"]) if eager.reuse else 1)  # whether this step chooses afresh
+        want.append(tuple(t.clone() for t in _decode(eager, *x)))
+    assert chose == [int(t % every == 0) for t in range(steps + 1)]
+    first = _decode(capt, *toks[0])  # eager: compiles the kernels, allocates the reuse state (a due step)
+    assert torch.equal(first[0], want[0][0])
+    static = [t.clone() for t in toks[1]]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, out = _decode(capt, *static)
+    for t in range(1, steps + 1):
+        for buf, x in zip(static, toks[t]):
+            buf.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ids, want[t][0]), f"step {t}: pages"
+        torch.testing.assert_close(out, want[t][1], atol=1e-3, rtol=1e-3, msg=f"step {t}: output")
+    assert int(capt.reuse["step"]) == int(eager.reuse["step"]) == steps + 1
+    assert int(capt.reuse["due"]) == int(eager.reuse["due"])
+    assert torch.equal(capt.reuse["ids"], eager.reuse["ids"]) and torch.equal(capt.pos, eager.pos)
 
 
 @pytest.mark.parametrize("B, H, K, every", [pytest.param(8, 32, 129, 4, id="llama2-B8"),
