@@ -36,6 +36,7 @@ import triton_kernels as tk
 
 from .config import QuestConfig
 from .ops import Ops, resolve_backend
+from .selectors import check_config, selector_for
 
 # A cache driven by hand (no known length) grows by an eighth of its capacity, at least this many tokens.
 GROWTH_TOKENS = 256
@@ -79,9 +80,13 @@ class QuestLayer(CacheLayerMixin):
     is_sliding = False  # every token is kept; a sliding window is applied at attention time
     is_croppable = True
 
-    def __init__(self, config: QuestConfig, step: _Step | None = None, capacity: int | None = None):
+    def __init__(self, config: QuestConfig, step: _Step | None = None, capacity: int | None = None,
+                 selector=None):
         super().__init__()
+        check_config(config, selector)  # the policy's selector is registered and takes these settings
         self.config = config
+        # None: the registered selector of `config.policy`; else this one (not registered: calibration's probe).
+        self._selector = selector
         self._step = step or _Step()
         self.seq_len = 0
         self.reserved = capacity  # tokens the first allocation holds (None: the first update's + one growth step)
@@ -123,9 +128,8 @@ class QuestLayer(CacheLayerMixin):
 
     @property
     def selector(self):
-        from .selectors import selector_for
-
-        return selector_for(self.config.policy)
+        """The selector this layer runs: the one it was given, else the registered one of `config.policy`."""
+        return self._selector if self._selector is not None else selector_for(self.config.policy)
 
     # ----------------------------------------------------------------------------------------- storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -455,6 +459,7 @@ class QuestCache(Cache):
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
             raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+        check_config(config)  # what QuestConfig cannot check alone: its settings against the policy's selector
         config.check_layers(num_layers)
         self.quest_config = config
         self._step = _Step()
@@ -494,10 +499,12 @@ class QuestCache(Cache):
         if config is not None:
             if config.page_size != self.quest_config.page_size:
                 raise ValueError(f"a copy keeps the pages: page_size must stay {self.quest_config.page_size}")
+            check_config(config)
             config.check_layers(len(new.layers))
             new.quest_config = config
             for i, layer in enumerate(new.layers):
                 layer.config = config.for_layer(i)
+                layer._selector = None  # the registered selector of the new config's policy
                 layer.side_state.clear()  # another policy's bookkeeping starts afresh
                 layer.reuse = {}
                 if layer.is_initialized:

@@ -23,8 +23,10 @@ budgets"). A reading consistent with that: mass alone misjudges layers whose att
 to the residual stream (an error there barely moves the next layer) and layers where a little missed mass carries
 a large share of the output.
 
-Queries are exact: every layer attends densely during the measurement (a probe policy scores each candidate's
-selection and returns dense attention), so a layer's queries do not depend on the other layers' choices.
+Queries are exact: every layer attends densely during the measurement (a probe selector scores each candidate's
+selection and returns dense attention), so a layer's queries do not depend on the other layers' choices. The probe is
+handed to the measured cache's layers directly (`fork_cache(..., selector=)`), never registered: calibration leaves
+the selector registry as it found it, and several calibrations may run at once.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from .eval.accounting import dense_bytes, step_bytes
 from .eval.ppl import DENSE_BUDGET, fork_cache, prefill_cache, stdlib_text, step_tokens
 from .eval.recall import oracle_token_sets, page_token_sets, top_recall, true_top_tokens
 from .patch import patched
-from .selectors import SELECTORS, Selector, attend_pages, register_selector, selector_for
+from .selectors import Selector, attend_pages, check_config, selector_for
 from .selectors.codes import QCodeSelector
 
 DENSE = "dense"  # the option of a layer that decodes dense
@@ -50,7 +52,7 @@ CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096)
 # Where the built-in calibration text starts (tokens into `stdlib_text`): past the perplexity benchmark's window
 # (scripts/ppl.py scores its first 8193 tokens), so calibration never reads what is evaluated.
 CALIBRATION_OFFSET = 16384
-_PROBE = "_calibration_probe"
+_PROBE = "_calibration_probe"  # the policy name of the probe config (the probe itself is never registered)
 STEPS = 4096  # cost resolution of `allocate`: 1/STEPS of the byte limit
 # Per layer and option, each "higher is better" and 1.0 for a dense layer: attention mass read; recall of the true
 # top-k tokens; 1 - |error of the layer's output| / |its output|; 1 - |that error| / |the residual stream entering
@@ -95,8 +97,8 @@ class LayerMeasurement:
 class _Probe(Selector):
     """Scores every candidate's selection on the exact query, then attends densely (the measurement's policy)."""
 
-    def __init__(self, meter: _Meter):
-        self.meter = meter
+    def __init__(self, meter: _Meter | None = None):
+        self.meter = meter  # set once the measured cache exists (the meter keys its layers)
 
     def attend(self, layer, q, scale, window, on_select, softcap=0.0, sinks=None):
         self.meter.measure(layer, q, scale, window, softcap)
@@ -104,8 +106,9 @@ class _Probe(Selector):
 
 
 class _Meter:
-    def __init__(self, base: QuestConfig, budgets, layers: dict, topk: int, out_proj: list, residual: list):
-        self.base, self.budgets, self.layers, self.topk = base, budgets, layers, topk
+    def __init__(self, base: QuestConfig, selector: Selector, budgets, layers: dict, topk: int, out_proj: list,
+                 residual: list):
+        self.base, self.selector, self.budgets, self.layers, self.topk = base, selector, budgets, layers, topk
         self.out_proj, self.residual = out_proj, residual  # per layer: o_proj weight or None; |h| of this step
         n = len(layers)
         self.sums = {m: [dict.fromkeys(budgets, 0.0) for _ in range(n)] for m in METRICS + ("pages",)}
@@ -143,7 +146,7 @@ class _Meter:
                 pages = float(sets.sum()) / (B * S)
             else:
                 view = self._view(base, b)
-                sel = selector_for(self.base.policy)
+                sel = self.selector
                 if isinstance(sel, QCodeSelector):  # codes of pages completed since the prefill
                     sel._sync(view, L)
                 ids = sel.select(view, q, window)
@@ -209,10 +212,9 @@ def measure(model, ids: torch.Tensor, *, budgets=CANDIDATES, queries: int = 32, 
     elt = next(model.parameters()).element_size()
     ids = ids.to(next(model.parameters()).device)
     sel = QuestConfig(budget=budgets[0], page_size=page_size, gqa_mode=gqa_mode, policy=policy, bounds=bounds)
+    selector = check_config(sel)  # the measured policy is registered and takes these bounds
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, gqa_mode=gqa_mode, dense=(), cuda_graph=False,
                        compile_decode=False)
-    if _PROBE in SELECTORS:
-        raise RuntimeError("calibrate is already running in this process")
     meter, hooks = None, []
     out_proj = [getattr(getattr(m, "o_proj", None), "weight", None) for m in families.attention_modules(model)]
     residual = [torch.ones(1)] * num_layers
@@ -225,7 +227,7 @@ def measure(model, ids: torch.Tensor, *, budgets=CANDIDATES, queries: int = 32, 
             residual[i] = h[:, -1].float().norm(dim=-1)
         return hook
 
-    register_selector(_PROBE, Selector())  # the probe config must name a registered policy
+    probe = _Probe()
     try:
         for i, decoder_layer in enumerate(families._decoder_layers(model)[1]):
             hooks.append(decoder_layer.register_forward_pre_hook(keep_norm(i), with_kwargs=True))
@@ -233,14 +235,13 @@ def measure(model, ids: torch.Tensor, *, budgets=CANDIDATES, queries: int = 32, 
             cache, _ = prefill_cache(model, ids[:, :T - queries])
             # The probe's own budget is the smallest possible: every layer reaches the selector on every query.
             probe_cfg = dataclasses.replace(base, budget=2 * page_size, policy=_PROBE)
-            fork = fork_cache(cache, probe_cfg)
+            fork = fork_cache(cache, probe_cfg, selector=probe)
             del cache
-            meter = _Meter(sel, budgets, {id(layer): i for i, layer in enumerate(fork.layers)}, topk, out_proj,
-                           residual)
-            SELECTORS[_PROBE] = _Probe(meter)
+            meter = _Meter(sel, selector, budgets, {id(layer): i for i, layer in enumerate(fork.layers)}, topk,
+                           out_proj, residual)
+            probe.meter = meter
             step_tokens(model, fork, ids[:, T - queries:])
     finally:
-        SELECTORS.pop(_PROBE, None)
         for h in hooks:
             h.remove()
     out = LayerMeasurement(options=budgets + [DENSE], context=context, queries=queries, policy=policy,
@@ -376,7 +377,9 @@ def calibrate(model, texts_or_tokenizer=None, *, tokenizer=None, budget: int = 1
     choice = allocate(m, None if target is not None else budget, dense_layers=dense_layers, target=target,
                       objective=objective)
     flat = budget if target is None else max((c for c in choice if c != DENSE), default=budget)
-    return to_config(choice, flat, policy=policy, page_size=page_size, gqa_mode=gqa_mode, bounds=bounds, **options)
+    config = to_config(choice, flat, policy=policy, page_size=page_size, gqa_mode=gqa_mode, bounds=bounds, **options)
+    check_config(config)  # the result is ready for patch_model: checked against its selector (e.g. `options`)
+    return config
 
 
 def config_bytes(m: LayerMeasurement, config: QuestConfig) -> float:

@@ -1,4 +1,10 @@
-"""QuestConfig: every knob of quest-hf, validated once on creation."""
+"""QuestConfig: every knob of quest-hf, a pure value.
+
+Creation checks the fields' own types and ranges only, never the selector registry: a config built before or after
+`quest_hf.selectors.register_selector` is the same value (equal, same hash). What depends on the policy's selector
+(the name is registered, whole-page budgets, `bounds="int8"`, `reselect_every`, `cuda_graph=True`) is checked by
+`quest_hf.selectors.check_config` where the config is bound: `patch_model`, `QuestCache`, `calibrate`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -52,12 +58,17 @@ class QuestConfig:
             `"qcode1_2s"` with `page_size=32`: Quest's candidates re-ranked by 1-bit key codes;
             `"streaming"` (first page + most recent pages, query-agnostic baseline) and `"oracle"`
             (top-budget tokens by exact q.k per head; reads every key, for evaluation only) go through the
-            same decode path for comparisons.
+            same decode path for comparisons. Any name is accepted here; it must name a registered selector
+            (`quest_hf.selectors.register_selector`) when the config is bound to a model or cache, which is where
+            the settings that depend on the selector are checked (`quest_hf.selectors.check_config`: budgets in
+            whole pages unless the selector counts tokens, as the oracle does; `bounds="int8"`, `reselect_every > 1`
+            and `cuda_graph=True` only where the selector supports them).
 
         layer_budgets: None (default: every sparse layer uses `budget`) or one budget per model layer, e.g. from
-            `quest_hf.calibrate(model, ...)`; each must be valid as `budget` is (a multiple of `page_size`, at least
-            2 pages). `budget` then names the flat budget they were chosen against (their bytes per step match it).
-            The length must equal the model's layer count (checked by `patch_model` / `QuestCache`).
+            `quest_hf.calibrate(model, ...)`; each must be valid as `budget` is (at least 2 pages; a multiple of
+            `page_size`, checked where bound). `budget` then names the flat budget they were chosen against (their
+            bytes per step match it). The length must equal the model's layer count (checked by `patch_model` /
+            `QuestCache`).
         dense: None (default: the first `dense_layers` decode dense) or the indices of the layers that decode dense,
             overriding `dense_layers` (`dense=()`: none).
         bounds: how the page min/max that the score reads are stored. `"key_dtype"` (default): in the keys' dtype
@@ -79,6 +90,9 @@ class QuestConfig:
             choose, `2 * (budget // page_size + 1)`, times the GQA group under `gqa_mode="union"`). A pool smaller
             than one step's selection is refused.
         offload_bytes: or the device bytes of all the offloaded layers' pools together (split evenly; K and V).
+
+    Creation checks each field's own type and range only; it never reads the selector registry, so equal
+    settings make equal (and equally hashed) configs whatever is registered when.
 
     Two settings are for tests only (they let the CPU suite run what is CUDA-only): `_compile_devices`, the
     device types whose one-token inputs `compile_decode` compiles, and `_defer_devices`, those where a QuestCache
@@ -128,21 +142,14 @@ class QuestConfig:
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
         self._check_per_layer()
-        from .selectors import policy_names, selector_for  # registered (quest_hf.selectors.register_selector)
-
-        for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS), ("policy", policy_names())):
+        for name, allowed in (("gqa_mode", GQA_MODES), ("backend", BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-        token_budget = self.policy == "oracle" or getattr(selector_for(self.policy), "token_budget", False)
-        if self.budget % ps and not token_budget:  # the oracle (or a selector saying so) counts tokens, not pages
-            low, high = self.budget // ps * ps, -(-self.budget // ps) * ps
-            raise ValueError(
-                f"budget={self.budget} is not a multiple of page_size={ps}: policy {self.policy!r} chooses whole "
-                f"pages and would read {self.budget // ps} pages ({low} tokens) a head; use budget={low} or "
-                f"budget={high}"
-            )
+        if not isinstance(self.policy, str) or not self.policy:  # registered? checked where bound (check_config)
+            raise (ValueError if isinstance(self.policy, str) else TypeError)(
+                f"QuestConfig.policy must name a selector (a non-empty str such as 'quest'), got {self.policy!r}")
         for i, b in enumerate(self.layer_budgets or ()):
-            if b < 2 * ps or (b % ps and not token_budget):
+            if b < 2 * ps:
                 raise ValueError(f"layer_budgets[{i}]={b} must be a multiple of page_size={ps} and at least 2 pages "
                                  f"({2 * ps} tokens), as budget must; use {max(2 * ps, b // ps * ps)}")
         self._check_bounds_and_reuse()
@@ -158,28 +165,14 @@ class QuestConfig:
             if not isinstance(value, tuple) or not all(isinstance(d, str) for d in value):
                 raise TypeError(f"{name} must be a tuple of device types such as ('cuda',), got {value!r}")
         self._check_offload()
-        from .selectors import captured_policies
-
-        if self.cuda_graph is True and self.policy not in captured_policies():
-            raise ValueError(f"cuda_graph=True captures the policies {', '.join(captured_policies())}, got "
-                             f"policy={self.policy!r} (its scores need host lengths); use cuda_graph='auto' or False")
 
     def _check_bounds_and_reuse(self) -> None:
-        from .selectors import selector_for
-
         if self.bounds not in BOUNDS:
             raise ValueError(f"unknown bounds {self.bounds!r}; choose 'key_dtype' (the default: min/max in the keys' "
                              "dtype) or 'int8' (8-bit codes on one fp32 scale a page, about half the bytes)")
         k = self.reselect_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"reselect_every must be an int >= 1 (1: choose pages at every decode step), got {k!r}")
-        sel = selector_for(self.policy)
-        if self.bounds != "key_dtype" and not sel.int8_bounds:
-            raise ValueError(f"bounds={self.bounds!r} is read by policy 'quest' only; policy {self.policy!r} reads the "
-                             "key-dtype bounds: use bounds='key_dtype' or policy='quest'")
-        if k > 1 and not sel.reuses_selection:
-            raise ValueError(f"reselect_every={k} is supported by policy 'quest' only, got policy {self.policy!r}; use "
-                             "reselect_every=1 or policy='quest'")
 
     def _check_offload(self) -> None:
         from .offload import OFFLOAD_POLICIES, OFFLOAD_TARGETS

@@ -29,7 +29,7 @@ from .config import QuestConfig
 from .fuse import DecodeCompile, compile_decode_modules, enter_forward, exit_forward
 from .graph import DecodeGraph
 from .ops import triton_unavailable_reason
-from .selectors import selector_for
+from .selectors import check_config, selector_for
 
 logger = logging.get_logger("quest_hf")
 
@@ -335,10 +335,12 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
 
     `patch_model(model, budget=2048, page_size=16, dense_layers=2, gqa_mode="union", backend="auto")`, or
     `patch_model(model, config=QuestConfig(...))`. Calling it again re-configures (new caches use the
-    new settings). Support is decided from what the model's attention does (`quest_hf.families.check_supported`:
-    every decoder whose attention goes through HF's attention interface and caches post-RoPE keys; a ValueError
-    names the reason otherwise); `describe_patch(model)` says which layers are sparse. Prefill runs HF's SDPA, or
-    the family's eager attention where a layer has a logit soft-cap or sinks.
+    new settings). The config is checked against its policy's selector here (`quest_hf.selectors.check_config`:
+    an unregistered policy, or a setting that selector does not take, raises ValueError). Support is decided from
+    what the model's attention does (`quest_hf.families.check_supported`: every decoder whose attention goes through
+    HF's attention interface and caches post-RoPE keys; a ValueError names the reason otherwise);
+    `describe_patch(model)` says which layers are sparse. Prefill runs HF's SDPA, or the family's eager attention
+    where a layer has a logit soft-cap or sinks.
     """
     given = {k: v for k, v in dict(budget=budget, page_size=page_size, **options).items() if v is not _UNSET}
     if config is not None and given:
@@ -346,6 +348,7 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
     config = config if config is not None else QuestConfig(**given)
     if not isinstance(config, QuestConfig):
         raise TypeError(f"config must be a QuestConfig, got {type(config).__name__}")
+    check_config(config)  # the policy names a registered selector that takes these settings
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     attention = _supported_layers(model)
 
@@ -425,7 +428,8 @@ def _supported_layers(model) -> list:
 
 
 def _check_settings(model, config: QuestConfig) -> None:
-    """What QuestConfig cannot check alone: the settings against this model (raises, or warns once)."""
+    """What QuestConfig cannot check alone: the settings against this model (raises, or warns once); against the
+    policy's selector: `check_config`, called before."""
     if config.backend == "triton":
         devices = sorted({p.device for p in model.parameters()}, key=str)
         reasons = {d.type: triton_unavailable_reason(d) for d in devices}

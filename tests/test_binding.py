@@ -149,10 +149,6 @@ def test_unpatch_inside_patched_is_kept_on_exit():
     pytest.param(dict(budget=None), TypeError, r"budget must be an int, got NoneType None; leave it out for the "
                                                r"default 2048", id="budget-none"),
     pytest.param(dict(page_size=None), TypeError, "page_size must be an int.*default 16", id="page-size-none"),
-    pytest.param(dict(budget=33), ValueError, r"budget=33 is not a multiple of page_size=16: policy 'quest' chooses "
-                                              r"whole pages and would read 2 pages \(32 tokens\) a head; use "
-                                              r"budget=32 or budget=48", id="budget-33"),
-    pytest.param(dict(budget=100, page_size=32), ValueError, "use budget=96 or budget=128", id="budget-100-page-32"),
     pytest.param(dict(compile_backend=""), TypeError, "compile_backend must name a torch.compile backend",
                  id="compile-backend"),
     pytest.param(dict(_defer_devices="cuda"), TypeError, r"_defer_devices must be a tuple of device types",
@@ -165,8 +161,27 @@ def test_settings_that_cannot_work_are_refused_on_creation(settings, error, matc
         patch_model(tiny_model("llama"), **settings)
 
 
+@pytest.mark.parametrize("settings, match", [
+    pytest.param(dict(budget=33), r"budget=33 is not a multiple of page_size=16: policy 'quest' chooses whole pages "
+                                  r"and would read 2 pages \(32 tokens\) a head; use budget=32 or budget=48",
+                 id="budget-33"),
+    pytest.param(dict(budget=100, page_size=32), "use budget=96 or budget=128", id="budget-100-page-32"),
+])
+def test_whole_page_budgets_are_refused_where_the_config_is_bound(settings, match):
+    # Whole pages are the selector's rule (the oracle counts tokens): QuestConfig builds, binding it refuses.
+    cfg = QuestConfig(**settings)
+    with pytest.raises(ValueError, match=match):
+        patch_model(tiny_model("llama"), **settings)
+    with pytest.raises(ValueError, match=match):
+        patch_model(tiny_model("llama"), config=cfg)
+    with pytest.raises(ValueError, match=match):
+        QuestCache(cfg, 2)
+
+
 def test_oracle_budget_counts_tokens():
-    assert QuestConfig(budget=33, policy="oracle").budget == 33
+    cfg = QuestConfig(budget=33, policy="oracle")
+    assert cfg.budget == 33
+    assert QuestCache(cfg, 2).layers[0].config.budget == 33  # the oracle's selector counts tokens: bound as given
 
 
 def test_dense_layers_covering_every_layer_is_said_once(caplog):

@@ -343,8 +343,11 @@ def test_config_validates_bounds():
     assert QuestConfig().bounds == "key_dtype"
     with pytest.raises(ValueError, match="unknown bounds 'fp8'; choose 'key_dtype'"):
         QuestConfig(bounds="fp8")
+    cfg = QuestConfig(bounds="int8", policy="qcode1_2s", page_size=32)  # the selector's rule: checked when bound
+    with pytest.raises(ValueError, match="bounds='int8' is read by policy 'quest' only; policy 'qcode1_2s'"):
+        QuestCache(cfg, 2)
     with pytest.raises(ValueError, match="is read by policy 'quest' only"):
-        QuestConfig(bounds="int8", policy="qcode1_2s", page_size=32)
+        patch_model(tiny_model("llama"), config=cfg)
 
 
 def test_accounting_counts_the_8bit_metadata():

@@ -4,7 +4,7 @@ import torch
 
 from quest_hf import QuestConfig, calibrate, patch_model
 from quest_hf.calibration import DENSE, allocate, config_bytes, flat_bytes, measure, resolve_bounds, to_config
-from quest_hf.selectors import policy_names
+from quest_hf.selectors import SELECTORS, policy_names
 
 from .conftest import one_thread, tiny_model
 
@@ -21,13 +21,36 @@ def measured():
 def test_measurement_is_consistent(measured):
     _, m = measured
     assert m.options == [32, 64, 128, DENSE] and m.num_layers == 4 and m.context == 320 and m.queries == 6
-    assert "_calibration_probe" not in policy_names()  # the probe policy is gone afterwards
+    assert "_calibration_probe" not in policy_names()  # the probe is never registered
     for i in range(4):
         assert m.mass[i][DENSE] == m.recall[i][DENSE] == 1.0
         mass = [m.mass[i][b] for b in (32, 64, 128)]
         assert all(0.0 < x <= 1.0 + 1e-6 for x in mass) and mass == sorted(mass)  # more pages, more attention
         cost = [m.bytes[i][o] for o in m.options]
         assert cost[:3] == sorted(cost[:3])
+
+
+def test_measure_never_registers_its_probe(monkeypatch):
+    # The probe selector is handed to the measured cache, not put in the registry: during the measurement too, the
+    # registry holds what it held before.
+    from quest_hf import calibration
+
+    seen, attend = [], calibration._Probe.attend
+
+    def watched(self, *args, **kwargs):
+        seen.append(dict(SELECTORS))
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(calibration._Probe, "attend", watched)
+    before = dict(SELECTORS)
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    with pytest.raises(ValueError, match="unknown policy 'h2o'; choose one of quest"):
+        measure(model, IDS[:, :96], budgets=(32,), queries=2, policy="h2o")
+    with pytest.raises(ValueError, match="bounds='int8' is read by policy 'quest' only; policy 'streaming'"):
+        measure(model, IDS[:, :96], budgets=(32,), queries=2, policy="streaming", bounds="int8")
+    with one_thread():
+        m = measure(model, IDS[:, :96], budgets=(32,), queries=2)
+    assert m.num_layers == 2 and seen and all(s == before for s in seen) and SELECTORS == before
 
 
 @pytest.mark.parametrize("budget", [32, 64])

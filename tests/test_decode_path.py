@@ -112,10 +112,13 @@ def test_cuda_graph_true_is_refused_where_it_cannot_capture():
     with pytest.raises(ValueError, match="cuda_graph=True cannot capture.*not on one CUDA device.*'auto' or False"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3)
     for policy in ("qcode_topp", "qcode1_topp"):
+        cfg = QuestConfig(cuda_graph=True, policy=policy)  # the selector's rule: checked where the config is bound
         with pytest.raises(ValueError, match="cuda_graph=True captures the policies quest.*host lengths"):
-            QuestConfig(cuda_graph=True, policy=policy)
-    QuestConfig(cuda_graph=True, policy="streaming")
-    QuestConfig(cuda_graph=True, policy="oracle")
+            QuestCache(cfg, 2)
+        with pytest.raises(ValueError, match="cuda_graph=True captures the policies quest.*host lengths"):
+            patch_model(tiny_model("llama"), config=cfg)
+    QuestCache(QuestConfig(cuda_graph=True, policy="streaming"), 2)
+    QuestCache(QuestConfig(cuda_graph=True, policy="oracle"), 2)
 
 
 def test_auto_on_cpu_says_the_step_runs_eagerly():

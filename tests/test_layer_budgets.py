@@ -18,8 +18,12 @@ def test_config_validates_per_layer_settings():
     assert [cfg.for_layer(i).budget for i in range(4)] == [32, 64, 128, 256]
     assert QuestConfig(dense_layers=2).is_dense(1) and not QuestConfig(dense_layers=2).is_dense(2)
     assert not QuestConfig(dense=()).is_dense(0)  # dense overrides dense_layers
+    uneven = QuestConfig(budget=64, layer_budgets=(64, 40))  # whole pages: the selector's rule, checked when bound
     with pytest.raises(ValueError, match=r"layer_budgets\[1\]=40 must be a multiple of page_size=16"):
-        QuestConfig(budget=64, layer_budgets=(64, 40))
+        QuestCache(uneven, 2)
+    with pytest.raises(ValueError, match=r"layer_budgets\[1\]=40 must be a multiple of page_size=16"):
+        patch_model(tiny_model("llama", layers=2), config=uneven)
+    QuestCache(QuestConfig(budget=64, layer_budgets=(64, 40), policy="oracle"), 2)  # the oracle counts tokens
     with pytest.raises(ValueError, match="at least 2 pages"):
         QuestConfig(budget=64, layer_budgets=(16, 64))
     with pytest.raises(TypeError, match="tuple of ints"):

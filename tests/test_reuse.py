@@ -165,8 +165,11 @@ def test_config_validates_reselect_every():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="reselect_every must be an int >= 1"):
             QuestConfig(reselect_every=bad)
+    cfg = QuestConfig(reselect_every=4, policy="streaming")  # the selector's rule: checked where the config is bound
+    with pytest.raises(ValueError, match="reselect_every=4 is supported by policy 'quest' only, got policy 'streaming'"):
+        QuestCache(cfg, 2)
     with pytest.raises(ValueError, match="supported by policy 'quest' only"):
-        QuestConfig(reselect_every=4, policy="streaming")
+        patch_model(tiny_model("llama"), config=cfg)
 
 
 def test_accounting_amortises_the_metadata_over_the_interval():

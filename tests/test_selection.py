@@ -8,8 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import triton_kernels as tk
-from quest_hf import QuestCache, QuestConfig
+from quest_hf import QuestCache, QuestConfig, QuestLayer, patch_model, unpatch_model
 from quest_hf.attention import quest_attention_forward
+from quest_hf.eval.ppl import fork_cache
+from quest_hf.selectors import SELECTORS, QuestSelector, StreamingSelector, check_config, register_selector
+
+from .conftest import left_padded_batch, tiny_model
 
 
 def _filled_cache(cfg, B, H, D, lengths, extra_tokens, seed=0, num_layers=3):
@@ -159,13 +163,98 @@ def test_bound_never_underestimates_a_page(seed, n, D, spread, outlier):
     (dict(budget=2048.0), TypeError, "must be an int"),
     (dict(gqa_mode="mean"), ValueError, "unknown gqa_mode 'mean'; choose one of union, max, sum"),
     (dict(backend="cuda"), ValueError, "unknown backend 'cuda'; choose one of auto, torch, triton"),
-    (dict(policy="h2o"), ValueError, "unknown policy 'h2o'"),
+    (dict(policy=""), ValueError, "policy must name a selector"),
+    (dict(policy=None), TypeError, "policy must name a selector"),
     (dict(dense_layers=-1), ValueError, "dense_layers must be >= 0"),
 ], ids=["budget0", "budget-neg", "budget-1page", "page0", "page-neg", "page12", "budget-float",
-        "mode", "backend", "policy", "dense-neg"])
+        "mode", "backend", "policy-empty", "policy-none", "dense-neg"])
 def test_bad_config_says_what_to_do(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         QuestConfig(**kwargs)
+
+
+UNKNOWN = (r"unknown policy 'not_registered_yet'; choose one of quest, streaming, oracle, qcode, .*qcode1_2s \(or "
+           r"register yours first: quest_hf.selectors.register_selector\(name, selector\)\)")
+
+
+def test_an_unregistered_policy_builds_and_is_refused_where_bound():
+    # QuestConfig never reads the selector registry: the name is checked where the config is bound.
+    cfg = QuestConfig(budget=32, policy="not_registered_yet")
+    assert cfg.policy == "not_registered_yet" and cfg == QuestConfig(budget=32, policy="not_registered_yet")
+    model = tiny_model("llama", layers=2)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        patch_model(model, config=cfg)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        patch_model(model, budget=32, policy="not_registered_yet")
+    assert "_quest_state" not in vars(model)  # refused before anything was replaced
+    with pytest.raises(ValueError, match=UNKNOWN):
+        QuestCache(cfg, 2)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        QuestLayer(cfg)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        QuestCache(QuestConfig(budget=32), 2).copy(cfg)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        fork_cache(QuestCache(QuestConfig(budget=32), 2), cfg)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        check_config(cfg)
+
+
+def test_registering_after_building_the_config_makes_the_same_config_usable():
+    settings = dict(budget=32, policy="not_registered_yet", bounds="int8", reselect_every=2)
+    cfg = QuestConfig(**settings)
+    before = hash(cfg)
+    with pytest.raises(ValueError, match=UNKNOWN):
+        QuestCache(cfg, 2)
+    model = tiny_model("llama", heads=6, kv_heads=2, layers=4)
+    ids, mask = left_padded_batch()
+    kw = dict(max_new_tokens=8, do_sample=False)
+    patch_model(model, config=QuestConfig(**dict(settings, policy="quest")))
+    ref = model.generate(ids, attention_mask=mask, **kw)
+    register_selector("not_registered_yet", QuestSelector())
+    try:
+        assert hash(cfg) == before and cfg == QuestConfig(**settings)  # a value: registration changes nothing in it
+        assert {QuestConfig(**settings): "same key"}[cfg] == "same key"
+        assert isinstance(QuestCache(cfg, 2).layers[1].selector, QuestSelector)
+        patch_model(model, config=cfg)
+        assert torch.equal(model.generate(ids, attention_mask=mask, **kw), ref)  # quest's selector under a new name
+        # The checks follow whatever the name resolves to when bound: a selector without reuse refuses the same config.
+        register_selector("not_registered_yet", StreamingSelector())
+        with pytest.raises(ValueError, match="bounds='int8' is read by policy 'quest' only; policy "
+                                             "'not_registered_yet' reads the key-dtype bounds"):
+            QuestCache(cfg, 2)
+        assert hash(cfg) == before
+    finally:
+        SELECTORS.pop("not_registered_yet", None)
+        unpatch_model(model)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(policy="h2o"), "unknown policy 'h2o'; choose one of quest, streaming, oracle"),
+    (dict(budget=40), r"budget=40 is not a multiple of page_size=16: policy 'quest' chooses whole pages .*use "
+                      r"budget=32 or budget=48"),
+    (dict(budget=64, layer_budgets=(64, 40)), r"layer_budgets\[1\]=40 must be a multiple of page_size=16 .*use 32"),
+    (dict(bounds="int8", policy="streaming"), "bounds='int8' is read by policy 'quest' only; policy 'streaming' reads "
+                                              "the key-dtype bounds: use bounds='key_dtype' or policy='quest'"),
+    (dict(reselect_every=3, policy="qcode"), "reselect_every=3 is supported by policy 'quest' only, got policy "
+                                             "'qcode'; use reselect_every=1 or policy='quest'"),
+    (dict(cuda_graph=True, policy="qcode_topp"), "cuda_graph=True captures the policies quest, .*got "
+                                                 "policy='qcode_topp' .*use cuda_graph='auto' or False"),
+], ids=["unknown-policy", "budget-pages", "layer-budget-pages", "int8-bounds", "reuse", "cuda-graph"])
+def test_selector_checks_fire_where_the_config_is_bound(settings, match):
+    cfg = QuestConfig(**settings)  # each is the selector's rule: the config itself builds
+    model = patch_model(tiny_model("llama", layers=2), budget=32)
+    with pytest.raises(ValueError, match=match):
+        patch_model(model, config=cfg)
+    assert model._quest_state.config == QuestConfig(budget=32)  # a refused re-configuration keeps the settings
+    with pytest.raises(ValueError, match=match):
+        patch_model(tiny_model("llama", layers=2), config=cfg)
+    with pytest.raises(ValueError, match=match):
+        QuestCache(cfg, 2)
+    filled = QuestCache(QuestConfig(budget=64), 2)
+    with pytest.raises(ValueError, match=match):
+        filled.copy(cfg)
+    with pytest.raises(ValueError, match=match):
+        fork_cache(filled, cfg)
 
 
 def test_config_is_frozen():

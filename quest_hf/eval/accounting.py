@@ -26,7 +26,7 @@ def step_bytes(policy: str, seq_len: int, kv_heads: int, head_dim: int, elt: int
     if policy == "dense" or seq_len <= budget:
         return dense_bytes(seq_len, kv_heads, head_dim, elt)
     # The policy's own account (quest_hf/selectors/: `Selector.bytes_per_step`), registered selectors included;
-    # the 8-bit / reuse settings only reach the selectors that take them (QuestConfig refuses them elsewhere).
+    # the 8-bit / reuse settings only reach the selectors that take them (check_config refuses them elsewhere).
     extra = {k: v for k, v in (("bounds", bounds), ("reselect_every", reselect_every))
              if v != {"bounds": "key_dtype", "reselect_every": 1}[k]}
     return selector_for(policy).bytes_per_step(seq_len, kv_heads, head_dim, elt, page_size, pages_read, budget, group,

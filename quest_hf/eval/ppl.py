@@ -21,6 +21,7 @@ import torch
 from ..cache import QuestCache
 from ..config import QuestConfig
 from ..patch import cache_arg_name, patched
+from ..selectors import check_config
 from .accounting import dense_bytes, model_step_bytes
 
 # Budget that covers any context: every layer of a config with it decodes densely (HF SDPA).
@@ -47,10 +48,12 @@ def prefill_cache(model, prefix: torch.Tensor) -> tuple[QuestCache, torch.Tensor
     return cache, out.logits[:, -1].float()
 
 
-def fork_cache(cache: QuestCache, config: QuestConfig) -> QuestCache:
-    """A deep copy of `cache` that decodes under `config` (page_size must stay the cache's)."""
+def fork_cache(cache: QuestCache, config: QuestConfig, *, selector=None) -> QuestCache:
+    """A deep copy of `cache` that decodes under `config` (page_size must stay the cache's). `selector`: the
+    selector its layers run instead of the registered one of `config.policy` (calibration's probe)."""
     if config.page_size != cache.quest_config.page_size:
         raise ValueError(f"a filled cache keeps its page_size {cache.quest_config.page_size}; got {config.page_size}")
+    check_config(config, selector)
     hooks, cache.selection_hooks = cache.selection_hooks, []  # hooks belong to the original's user
     try:
         fork = copy.deepcopy(cache)
@@ -60,6 +63,7 @@ def fork_cache(cache: QuestCache, config: QuestConfig) -> QuestCache:
     fork.quest_config = config
     for i, layer in enumerate(fork.layers):
         layer.config = config.for_layer(i)  # the layer's own budget (QuestConfig.layer_budgets)
+        layer._selector = selector
         layer.reuse = {}  # another config's stored selection (reselect_every) is not this one's
         layer.sync_bounds()  # 8-bit bounds built (or dropped) for this config's `bounds`
     return fork

@@ -18,6 +18,8 @@ class Selector:
     """
 
     captured = True
+    # Whether `QuestConfig.budget` counts tokens (any number) rather than whole pages (a multiple of `page_size`).
+    token_budget = False
     # Whether the selector reads `QuestConfig(bounds="int8")`'s 8-bit page bounds, and supports `reselect_every > 1`.
     int8_bounds = False
     reuses_selection = False

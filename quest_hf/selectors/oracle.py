@@ -10,6 +10,8 @@ from .base import Selector
 
 
 class OracleSelector(Selector):
+    token_budget = True  # the top-`budget` tokens, any number of them
+
     def attend(self, layer, q, scale, window, on_select, softcap=0.0, sinks=None):
         budget = layer.config.budget
         B, Hq, D = q.shape
