@@ -79,8 +79,9 @@ class QuestConfig:
         reselect_every: 1 (default): pages are chosen at every decode step. `k > 1` (selection reuse, as in LServe):
             a sparse layer scores and chooses pages every `k` decode steps and reuses that choice in between, adding
             the pages started since it was made (no page read twice). The step counter and the stored choice live
-            on the device, so captured steps reuse too; a step that reuses skips the bound reads (the Top-K still
-            runs over a row of forced pages). Growth, crop, reset and batch edits choose afresh at the next step.
+            on the device, so captured steps reuse too; a step that reuses reads no bound and no score: the score and
+            Top-K launches read the device flag and return at once (captured steps too).
+            Growth, crop, reset and batch edits choose afresh at the next step.
         offload: None (default: every page on the layer's device) or `"cpu"`: each sparse layer keeps its K/V pages in
             page-locked host memory and on the GPU only the page bounds, the current page, a pool of resident pages
             and the page table; each decode step fetches the chosen pages that are not resident (quest_hf/offload.py:

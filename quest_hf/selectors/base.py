@@ -94,8 +94,9 @@ def metadata_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int, page_si
 def reused_pages(layer, fresh: torch.Tensor, due: torch.Tensor, every: int) -> torch.Tensor:
     """Selection reuse (`QuestConfig.reselect_every`): the pages a decode step attends, on the device.
 
-    `fresh` int32 `[B, H_kv, K]` is this step's selection (from forced pages only where `due` is 0, and then
-    discarded); `due` the layer's device flag (`layer.reuse["due"]`). The stored selection becomes `fresh` where
+    `fresh` int32 `[B, H_kv, K]` is this step's selection (where `due` is 0 the score and Top-K launches wrote
+    nothing: it is then unwritten and not read);
+    `due` the layer's device flag (`layer.reuse["due"]`). The stored selection becomes `fresh` where
     due, and the step attends it plus the pages started since it was made (at most `ceil((every - 1) / S)`, none of
     which the stored selection can hold: they were empty then). One launch (`triton_kernels/reuse.py`), which also
     advances the counter and sets the next step's flag. Returns int32 `[B, H_kv, K + ceil((every - 1) / S)]`,
