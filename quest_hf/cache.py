@@ -27,6 +27,7 @@ Under `QuestConfig(offload="cpu")` a sparse layer's `keys`/`values` are page-loc
 """
 from __future__ import annotations
 
+import contextlib
 import copy as _copy
 
 import torch
@@ -65,6 +66,17 @@ class _Step:
         if v.device != device:  # layers spread over devices (device_map): move once per device and step
             v = self._moved.setdefault(device, v.to(device, non_blocking=True))
         return v
+
+    @contextlib.contextmanager
+    def holding(self, valid: torch.Tensor):
+        """The layers read `valid` (a captured segment's own `[B, 1]` input, on its device) inside the block, in
+        place of this step's column (quest_hf.graph.SegmentGraph: one padding column per segment and device)."""
+        saved = self.valid_new, self._moved
+        self.valid_new, self._moved = valid, {}
+        try:
+            yield
+        finally:
+            self.valid_new, self._moved = saved
 
 
 class QuestLayer(CacheLayerMixin):
@@ -524,9 +536,10 @@ class QuestCache(Cache):
             )
         self._step.set(attention_mask[:, attention_mask.shape[1] - num_new_tokens:].bool())
 
-    def replayed(self, num_tokens: int = 1) -> None:
-        """A captured step appended `num_tokens` to every layer on the device: advance the host lengths."""
-        for layer in self.layers:
+    def replayed(self, num_tokens: int = 1, layers=None) -> None:
+        """A captured step appended `num_tokens` to every layer (or to the layers of index in `layers`: one
+        segment's graph, quest_hf.graph.SegmentGraph) on the device: advance their host lengths."""
+        for layer in (self.layers if layers is None else [self.layers[i] for i in layers]):
             layer.seq_len += num_tokens
 
     @property

@@ -3,7 +3,8 @@
 Through HF's own extension points: the "quest" attention and mask functions are registered with
 `AttentionInterface` / `AttentionMaskInterface`; a forward pre-hook on the decoder hands each forward's
 `QuestCache` and padding mask to the attention function; `generate` is wrapped only to create a
-`QuestCache` when the caller passes none, `forward` to replay captured decode steps.
+`QuestCache` when the caller passes none, `forward` to replay captured decode steps (and, on a model whose
+decoder layers sit on several devices, each decoder layer's `forward`: one captured graph per device segment).
 
 Every replacement is recorded once in the model's `Bindings` (quest_hf/binding.py) and undone in reverse by
 `unpatch_model`; the process-wide ones (the registrations, transformers' `DeferredStopCheck.is_supported`) are
@@ -23,11 +24,11 @@ from transformers.utils import logging
 
 from . import families
 from .attention import NAME, family_eager, quest_attention_forward
-from .binding import Bindings, Method, shared_kind
+from .binding import MISSING, Bindings, Method, shared_kind
 from .cache import QuestCache
 from .config import QuestConfig
 from .fuse import DecodeCompile, compile_decode_modules, enter_forward, exit_forward
-from .graph import DecodeGraph
+from .graph import DecodeGraph, SegmentGraph, plan_segments
 from .ops import triton_unavailable_reason
 from .selectors import check_config, selector_for
 
@@ -75,6 +76,14 @@ def _install_process_wide(bindings: Bindings, arg=None) -> None:
         bindings.set(cls, "is_supported", staticmethod(_defer_on_cuda(cls.is_supported)))
 
 
+@dataclass(frozen=True)
+class _SegmentSplit:
+    """`_force_segments`'s request: segments also start at these decoder layers; `capture=False`: run uncaptured."""
+
+    split_at: tuple[int, ...]
+    capture: bool = True
+
+
 @dataclass
 class _PatchState:
     config: QuestConfig
@@ -89,8 +98,10 @@ class _PatchState:
     cache: QuestCache | None = None  # the cache of the forward in flight
     tokens: list = field(default_factory=list)  # fuse.enter_forward's, one per decoder forward in flight
     kept: QuestCache | None = None  # the last captured-decode cache, for the next generate() of the same shapes
-    graph: DecodeGraph = field(default_factory=DecodeGraph)  # the captured decode step (quest_hf/graph.py)
+    # The captured decode step (quest_hf/graph.py): a DecodeGraph on one device, a SegmentGraph per device segment.
+    graph: DecodeGraph | SegmentGraph = field(default_factory=DecodeGraph)
     attention: dict = field(default_factory=dict)  # layer_idx -> families.LayerAttention (window, soft-cap, sinks)
+    segments: _SegmentSplit | None = None  # tests and benchmarks only: set by `_force_segments`
 
 
     def __getstate__(self):
@@ -162,33 +173,133 @@ def _distributed() -> bool:
 
 
 def capture_refusal(model, config: QuestConfig) -> str | None:
-    """Why decode steps of `model` cannot run as a captured CUDA graph, or None when they can.
+    """Why decode steps of `model` cannot run as captured CUDA graphs, or None when they can (on one CUDA device as
+    one graph; with its decoder layers over several, as one graph per device segment: quest_hf.graph.SegmentGraph).
 
     The one place `cuda_graph` is resolved: `True` raises where "auto" would say why and run eagerly."""
     if config.cuda_graph is False:
         return "cuda_graph=False"
     devices = sorted({str(p.device) for p in model.parameters()})
+    off = [d for d in devices if not d.startswith("cuda")]
     why = None
-    if len(devices) != 1 or not devices[0].startswith("cuda"):
+    if len(off) == len(devices):
         why = f"the model is not on one CUDA device ({', '.join(devices)})"
+    elif off:
+        why = f"parts of the model are not on a CUDA device ({', '.join(devices)})"
     elif _distributed():
         why = "tensor parallelism (a graph would hold the collectives)"
     elif not selector_for(config.policy).captured:
         why = f"policy {config.policy!r} scores pages from host lengths"
+    elif len(devices) > 1:
+        try:
+            plan_segments(model)
+        except ValueError as e:
+            why = str(e)
     if why and config.cuda_graph is True:
         raise ValueError(f"cuda_graph=True cannot capture the decode step: {why}; use cuda_graph='auto' or False")
     return why
 
 
 def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
-    """"captured", or "eager: <why>"; resolved once per cache (and logged when a CUDA model runs eagerly)."""
+    """"captured" (one graph), "captured: 2 segments (cuda:0 layers 0-15, cuda:1 layers 16-31)" (one graph per
+    device segment), or "eager: <why>"; resolved once per cache (and logged when a CUDA model runs eagerly).
+    Under `_force_segments(..., capture=False)`: "uncaptured segments: <the segments>"."""
     if cache.decode_path is None:
+        split = state.segments
+        if split is not None and not split.capture:
+            cache.decode_path = f"uncaptured segments: {_segment_graph(model, state, False).description}"
+            return cache.decode_path
         why = capture_refusal(model, cache.quest_config)
-        cache.decode_path = "captured" if why is None else f"eager: {why}"
-        if why is not None:
+        if why is None:
+            segments = plan_segments(model, split.split_at if split is not None else ())
+            cache.decode_path = "captured" if len(segments) == 1 else \
+                f"captured: {_segment_graph(model, state, True, segments).description}"
+        else:
+            cache.decode_path = f"eager: {why}"
             on_gpu = why != "cuda_graph=False" and next(model.parameters()).is_cuda
             (logger.warning_once if on_gpu else logger.info_once)(f"quest-hf: decode steps run uncaptured: {why}")
     return cache.decode_path
+
+
+def _segment_graph(model, state: _PatchState, capture: bool, segments=None) -> SegmentGraph:
+    """The model's SegmentGraph for its current plan (made, and the decoder layers intercepted, when it has none)."""
+    if segments is None:
+        segments = plan_segments(model, state.segments.split_at if state.segments is not None else ())
+    graph = state.graph
+    if not (isinstance(graph, SegmentGraph) and graph.capture == capture and graph.segments == segments):
+        graph.release()
+        graph = state.graph = SegmentGraph(segments, capture)
+        _intercept_layers(model, state)
+    return graph
+
+
+def _step_graph(model, state: _PatchState, path: str):
+    """The runner of a decode step over a cache whose decode path is `path` (not "eager: ...")."""
+    if path == "captured":
+        if not isinstance(state.graph, DecodeGraph):
+            state.graph.release()
+            state.graph = DecodeGraph()
+        return state.graph
+    graph = state.graph
+    capture = path.startswith("captured")
+    if isinstance(graph, SegmentGraph) and graph.capture == capture and path.endswith(graph.description):
+        return graph
+    return _segment_graph(model, state, capture)  # another cache's plan ran since: this one's again
+
+
+def _layer_forward(method: Method, *args, **kwargs):
+    """A decoder layer's `forward` (bound by `_intercept_layers`): in a decode step that runs per device segment,
+    handed to the model's SegmentGraph; otherwise the layer's own (accelerate's hook included, when it has one)."""
+    graph = method.__self__._quest_state.graph
+    if getattr(graph, "mode", None) is None:
+        return method.original(*args, **kwargs)
+    return graph.layer_call(method.data, method.original, args, kwargs)
+
+
+def _intercept_layers(model, state: _PatchState) -> None:
+    """Bind `_layer_forward` as every decoder layer's `forward`, once, recorded in the patch's bindings.
+
+    Outside accelerate's hook when the model was dispatched before the patch (the layer's `forward` is the hook's
+    wrapper, which moves inputs to the layer's device: the segment sees HF's own tensors, and a layer inside a
+    segment skips the move); inside it when dispatched after (`_unbind_layer` then restores `_old_forward`)."""
+    _, layers = families._decoder_layers(model)
+    for j, layer in enumerate(layers):
+        if any(isinstance(f, Method) and f.__func__ is _layer_forward
+               for f in (vars(layer).get("forward"), vars(layer).get("_old_forward"))):
+            continue
+        state.bindings.set(layer, "_quest_state", state)
+        method = Method(_layer_forward, layer, "forward", vars(layer).get("forward", MISSING), data=j)
+        layer.forward = method
+        state.bindings.call(_unbind_layer, layer, method)
+
+
+def _unbind_layer(layer, method: Method) -> None:
+    """Undo `_intercept_layers` on one layer, also when accelerate hooked it afterwards (its wrapper then calls
+    ours as `_old_forward`: that gets the layer's own forward back, and the wrapper stays)."""
+    if vars(layer).get("forward") is method:
+        if method.previous is MISSING:
+            del layer.forward
+        else:
+            layer.forward = method.previous
+    elif vars(layer).get("_old_forward") is method:
+        layer._old_forward = method.original
+
+
+def _force_segments(model, split_at=(), *, capture: bool = True):
+    """Tests and benchmarks only: decode steps of the patched `model` run per segment, a segment also starting
+    at each decoder layer index in `split_at` (so one device holds several); `capture=False` runs the segments
+    uncaptured on any device (the interception and static inputs, no graph: what CPU tests check). `split_at=None`
+    goes back to the segments of the model's devices. Applies to caches that have not decoded yet; returns `model`."""
+    state = model._quest_state
+    if split_at is None:
+        state.segments = None
+    else:
+        split = tuple(split_at)
+        plan_segments(model, split)  # raises on a bad index
+        state.segments = _SegmentSplit(split, capture)
+    state.kept = None
+    state.graph.release()
+    return model
 
 
 # A kept captured-decode cache serves a later generate() whose capacity it covers with at most this much to spare
@@ -291,7 +402,7 @@ def _generate(method: Method, *args, **kwargs):
     kwargs[state.cache_arg] = cache
     out = original(*args, **kwargs)
     returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
-    if not returned and cache.decode_path == "captured":  # a cache handed to the caller is theirs
+    if not returned and (cache.decode_path or "").startswith("captured"):  # a cache handed back is the caller's
         state.kept = cache
     return out
 
@@ -315,15 +426,32 @@ def _forward(method: Method, *args, **kwargs):
             and cache.get_seq_length() > 0 and kwargs.get("inputs_embeds") is None):
         path = _decode_path(model, state, cache)
         extra = sorted(set(kwargs) - _STEP_TENSORS - _STEP_CONSTANTS) + (["positional arguments"] if args[1:] else [])
-        if path == "captured" and not extra:
+        if path.startswith("eager"):
+            return original(*args, **kwargs)
+        graph = _step_graph(model, state, path)
+        if isinstance(graph, SegmentGraph) and getattr(model.config, "output_hidden_states", False):
+            extra.append("output_hidden_states (config)")  # the layers inside a segment hand on their input
+        if not extra and isinstance(graph, SegmentGraph):
+            out = graph.step(lambda: original(*args, **kwargs), cache, ids)
+            if graph.refusal is not None:
+                _refuse_segments(model, cache, graph.refusal)
+            return out
+        if not extra:
             fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
-            return state.graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
-                                    kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
-        if path == "captured":
-            cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
-            logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
-                                f"{', '.join(extra)}")
+            return graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
+                              kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+        cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
+        logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
+                            f"{', '.join(extra)}")
     return original(*args, **kwargs)
+
+
+def _refuse_segments(model, cache: QuestCache, why: str) -> None:
+    """The observed step showed that the decoder's layers cannot be replayed per segment: later steps run eagerly."""
+    if cache.quest_config.cuda_graph is True:
+        raise ValueError(f"cuda_graph=True cannot capture the decode step: {why}; use cuda_graph='auto' or False")
+    cache.decode_path = f"eager: {why}"
+    logger.warning_once(f"quest-hf: decode steps run uncaptured: {why}")
 
 
 _UNSET = object()  # a setting left out (None is passed on to QuestConfig, which refuses it)
