@@ -31,10 +31,11 @@ class QuestConfig:
         gqa_mode: `"union"` (default): union of the query heads' Top-K per KV group; `"max"` / `"sum"`:
             rank pages by the group's max / summed bound, one Top-K per KV head.
         backend: `"auto"` (Triton kernels on CUDA, PyTorch elsewhere), `"torch"`, `"triton"`.
-        cuda_graph: `"auto"` (default): on a model on one CUDA device, every decode step (greedy, sampling,
+        cuda_graph: `"auto"` (default): on a model on CUDA, every decode step (greedy, sampling,
             beams, streamers, left padding, sliding windows, selection hooks) replays a captured CUDA graph of the
-            one-token forward (quest_hf/graph.py: removes the per-step launch cost of ~150 kernels); elsewhere
-            (CPU, a model spread over devices, tensor parallelism, a policy that needs host lengths) the same
+            one-token forward (quest_hf/graph.py: removes the per-step launch cost of ~150 kernels; under a
+            `device_map` one graph per device segment of decoder layers); elsewhere
+            (CPU, tensor parallelism, weights offloaded off the GPUs, a policy that needs host lengths) the same
             fixed-shape step runs eagerly and `cache.decode_path` says why. After a captured `generate()` the model
             keeps its cache and graph (as HF keeps its static cache): a later call with the same settings, batch
             size and a capacity within 1/8 above its need resets and replays them from the first decode step; a
