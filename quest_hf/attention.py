@@ -66,7 +66,7 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
     if sinks is None and getattr(module, "sinks", None) is not None:
         sinks = module.sinks
     if cache is not None and query.shape[2] > 1 and cache.layers[module.layer_idx].prefill_block:
-        layer = cache.layers[module.layer_idx]  # a chunk of quest_hf.offload.prefill: the past read in blocks
+        layer = cache.layers[module.layer_idx]  # a chunk of quest_hf.prefill: the past read in blocks
         if layer.seq_len > query.shape[2]:
             from .offload import chunk_attention
 

@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import triton_kernels as tk
 
 from .config import QuestConfig
+from .offload import make_pagers, offload_stats
 from .ops import Ops, resolve_backend
 from .selectors import check_config, selector_for
 
@@ -114,7 +115,7 @@ class QuestLayer(CacheLayerMixin):
         # step chooses). Reordered with beams; made due in place by growth, crop and reset.
         self.reuse: dict[str, torch.Tensor] = {}
         self.pager = None  # K/V in host memory (QuestConfig.offload, quest_hf/offload.py); set by QuestCache
-        # > 0 while quest_hf.offload.prefill runs: a chunk attends to the earlier tokens in blocks of this many
+        # > 0 while quest_hf.prefill runs: a chunk attends to the earlier tokens in blocks of this many
         self.prefill_block = 0
         self.ops: Ops | None = None
         self.allocations = 0  # counts buffer moves: a captured step holds the addresses of the last one
@@ -483,12 +484,10 @@ class QuestCache(Cache):
         self.reused = False
         # How its decode steps ran: "captured" (a CUDA graph replay) or "eager: <why not>"; None before any.
         self.decode_path: str | None = None
-        # How quest_hf.offload.prefill's chunks attended to their past ("blockwise ..." or "sdpa ..."); None: not used.
+        # How quest_hf.prefill's chunks attended to their past ("blockwise ..." or "sdpa ..."); None: not used.
         self.prefill_mode: str | None = None
         # Each layer runs under its own config: its budget (QuestConfig.layer_budgets) is what its selector reads.
         super().__init__(layers=[QuestLayer(config.for_layer(i), self._step, max_length) for i in range(num_layers)])
-        from .offload import make_pagers
-
         for layer, pager in zip(self.layers, make_pagers(config, num_layers)):
             layer.pager = pager  # offload="cpu": sparse layers keep K/V in host memory
 
@@ -551,8 +550,6 @@ class QuestCache(Cache):
     def offload_stats(self) -> dict:
         """Under `offload="cpu"`: resident hit rate, bytes moved per step, pool and host bytes (quest_hf.offload.
         offload_stats; reads the device counters now, one host sync)."""
-        from .offload import offload_stats
-
         return offload_stats(self)
 
     @property

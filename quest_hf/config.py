@@ -13,6 +13,8 @@ GQA_MODES = ("union", "max", "sum")
 BOUNDS = ("key_dtype", "int8")
 BACKENDS = ("auto", "torch", "triton")
 MAX_PAGE_SIZE = 256
+OFFLOAD_TARGETS = ("cpu",)  # QuestConfig.offload
+OFFLOAD_POLICIES = ("quest", "streaming")  # selectors that read pages only through attend_pages (offload's pool)
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,6 @@ class QuestConfig:
             raise ValueError(f"reselect_every must be an int >= 1 (1: choose pages at every decode step), got {k!r}")
 
     def _check_offload(self) -> None:
-        from .offload import OFFLOAD_POLICIES, OFFLOAD_TARGETS
-
         if self.offload is not None and self.offload not in OFFLOAD_TARGETS:
             raise ValueError(f"offload must be None (every page on the GPU) or 'cpu' (sparse layers' K/V pages in host "
                              f"memory), got {self.offload!r}")

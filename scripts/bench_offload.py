@@ -3,7 +3,7 @@
 
 Random weights (speed does not depend on them), fp16, batch 1, budget 2048, page 16. A card of `--cap-gib` GiB is
 emulated with `torch.cuda.set_per_process_memory_fraction(cap / total)` (the caching allocator refuses past it).
-Every Quest run prefills with `quest_hf.offload.prefill` (chunks of `--chunk` tokens, each attending to its past
+Every Quest run prefills with `quest_hf.prefill` (chunks of `--chunk` tokens, each attending to its past
 in blocks of `--block`), then decodes `--new-tokens` greedy tokens through `generate()` (captured steps); per-token
 times come from a streamer's timestamps (quest_hf.bench.Clock), the median after the first three (eager step,
 capture). Rows (`--rows`, any subset, in this order):
@@ -38,10 +38,9 @@ import traceback
 
 import torch
 
-from quest_hf import QuestConfig, patch_model, unpatch_model
+from quest_hf import QuestConfig, patch_model, prefill, unpatch_model
 from quest_hf.bench import Clock, environment, results_dir, write_report
 from quest_hf.bench import random_llama as build
-from quest_hf.offload import prefill
 from quest_hf.patch import cache_arg_name
 
 ROWS = ("cap", "longest", "nocap", "pools")

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import triton_kernels.offload as tko
-from quest_hf import QuestCache, patch_model
+from quest_hf import QuestCache, patch_model, prefill
 from quest_hf.config import QuestConfig
-from quest_hf.offload import prefill
 from quest_hf.patch import cache_arg_name
 
 from .conftest import left_padded_batch, one_thread, tiny_model

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import triton_kernels.offload as tko
-from quest_hf import QuestCache, patch_model, unpatch_model
+from quest_hf import QuestCache, patch_model, prefill, unpatch_model
 from quest_hf.bench import random_llama
-from quest_hf.offload import _register, prefill
+from quest_hf.offload import _register
 from quest_hf.patch import cache_arg_name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
