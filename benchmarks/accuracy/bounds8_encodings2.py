@@ -153,9 +153,9 @@ def check_qk(layer, q, lo, hi):
     if P == 0:
         return
     qk = torch.einsum("bhgd,bhnd->bhgn", qd, keys[:, :, :P * S]).reshape(B, H, G, P, S).amax(-1)
-    l, h = lo[:, :, None, :P].double(), hi[:, :, None, :P].double()
-    bound = torch.maximum(qd[..., None, :] * l, qd[..., None, :] * h).sum(-1)
-    tol = 1e-9 * (qd.abs()[..., None, :] * torch.maximum(l.abs(), h.abs())).sum(-1)
+    lo_, h = lo[:, :, None, :P].double(), hi[:, :, None, :P].double()
+    bound = torch.maximum(qd[..., None, :] * lo_, qd[..., None, :] * h).sum(-1)
+    tol = 1e-9 * (qd.abs()[..., None, :] * torch.maximum(lo_.abs(), h.abs())).sum(-1)
     assert (bound >= qk - tol).all(), f"bound below q.k: {float((qk - bound).max())}"
     STATS["checks"] += 1
     STATS["pages_checked"] += B * H * G * P
@@ -187,6 +187,7 @@ def selfcheck():
     """Each encoding on real SmolLM2 keys (2K tokens of ppl.py's text): enclosure + q.k over every page, every layer,
     and how much each widens the intervals (mean over written pages and channels, relative to hi - lo)."""
     import ppl
+
     from quest_hf import QuestConfig, patch_model
     from quest_hf.eval.decode import prefill
     from quest_hf.models import load_model
