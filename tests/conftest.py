@@ -84,3 +84,21 @@ def one_thread():
 def single_thread():
     with one_thread():
         yield
+
+
+@pytest.fixture
+def fake_cuda_graph(monkeypatch):
+    """CPU stand-ins for torch.cuda's graph API (graph, stream, device, synchronize): generate() takes the captured
+    path's plumbing, a capture runs its Python once and a replay does nothing (only what the host does is checked)."""
+    from quest_hf import patch
+
+    class Graph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(patch, "capture_refusal", lambda model, config: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **kw: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())

@@ -315,23 +315,6 @@ def test_code_selectors_encode_the_pages_decode_completes(policy, page_size, bac
     assert full * page_size > ids.shape[1] and torch.equal(codes[:, :, :full * page_size], fresh[:, :, :full * page_size])
 
 
-@pytest.fixture
-def fake_cuda_graph(monkeypatch):
-    """CPU stand-ins for torch.cuda's graph API: generate() takes the captured path's plumbing (no replay work)."""
-    import contextlib
-
-    from quest_hf import patch
-
-    class Graph:
-        def replay(self):
-            pass
-
-    monkeypatch.setattr(patch, "capture_refusal", lambda model, config: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-
-
 def test_generate_reaches_the_captured_step_and_an_unknown_argument_is_named(fake_cuda_graph):
     # generate() hands forward more than the step's tensors (logits_to_keep, position_ids): every decode step but
     # the first must still reach the graph (seen on an H200: a missing name sent every step down the eager path).

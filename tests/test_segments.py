@@ -2,7 +2,6 @@
 its static inputs run uncaptured (`_force_segments(..., capture=False)`), the captured path's bookkeeping under a
 stand-in for torch.cuda's graph API, refusals, unpatch, and accelerate's hooks in both orders. The captured
 segments themselves (one GPU split in two, two GPUs under a device_map): tests/gpu/test_gpu_segments.py."""
-import contextlib
 
 import pytest
 import torch
@@ -159,23 +158,6 @@ def test_segments_compose_with_accelerate_hooks_and_unpatch_leaves_them(order, s
     for layer in layers:
         remove_hook_from_module(layer)
     _assert_same(ref, _gen(model, ids, mask), atol=0)
-
-
-@pytest.fixture
-def fake_cuda_graph(monkeypatch):
-    """CPU stand-ins for torch.cuda's graph API: a capture runs its Python once, a replay does nothing."""
-    from quest_hf import patch
-
-    class Graph:
-        def replay(self):
-            pass
-
-    monkeypatch.setattr(patch, "capture_refusal", lambda model, config: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **kw: None)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
 
 
 def test_captured_segments_bookkeeping(fake_cuda_graph, single_thread):
