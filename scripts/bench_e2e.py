@@ -9,7 +9,9 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   static      HF static cache + generate's automatic compile (CUDA graphs)
   static_defer  the same with transformers' DeferredStopCheck forced on CUDA (it runs only on mps): what a
               one-step-late stop check alone gives HF's dense path
-  quest       patch_model(budget, cuda_graph=False): the same fixed-shape step, run eagerly (Triton kernels)
+  quest       patch_model(budget, cuda_graph=False): the same fixed-shape step, run eagerly (Triton kernels;
+              norms, MLPs and rotary through torch.compile, each called eagerly)
+  quest_eager patch_model(budget, cuda_graph=False, compile_decode=False): the same step, nothing compiled
   quest_graph patch_model(budget, compile_decode=False): the decode step replayed as a CUDA graph, eager norms/MLPs
   quest_graph_c  patch_model(budget): the defaults (captured, norms and MLPs through torch.compile)
   quest_graph_c_sync  the same with defer_stop_check=False (transformers' per-token stop check)
@@ -48,7 +50,8 @@ from quest_hf.bench import MODEL_SHAPES as SHAPES
 from quest_hf.bench import Clock, results_dir, time_calls
 from quest_hf.bench import random_llama as build
 
-METHODS = ("dense", "static", "static_defer", "quest", "quest_graph", "quest_graph_c", "quest_graph_c_sync")
+METHODS = ("dense", "static", "static_defer", "quest", "quest_eager", "quest_graph", "quest_graph_c",
+           "quest_graph_c_sync")
 
 
 def measure(model, ids, new_tokens, device, deferred: bool, **kw):
@@ -184,7 +187,7 @@ def main(argv=None):
                         patch_model(model, config=config)
                     elif method.startswith("quest"):
                         patch_model(model, budget=budget, cuda_graph="auto" if graph else False,
-                                    compile_decode=method != "quest_graph",
+                                    compile_decode=method not in ("quest_graph", "quest_eager"),
                                     defer_stop_check=method != "quest_graph_c_sync",
                                     policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype")
                     deferred = device.type == "cuda" and (
