@@ -69,11 +69,20 @@ class TopKLaunch:
         radix search over 16 bits instead of up to 32; only a row whose k-th pick falls inside a bucket it does
         not take whole then searches that bucket's exact keys. 0: search the scores' 32 bits directly (the
         tiled path always does). Even, 2..30.
+    chunked_union_min_pages / union_chunk: the split union's pass 2 chunk-parallel from rows of this many pages
+        (None: never): three launches over (group, chunk of `union_chunk` pages) programs, tie counts, union
+        counts, compacted writes (same ids as the serial pass 2, which loops over a row's tiles in one program per
+        group). Built for the 128K union: Llama-3-8B (groups of 4), P = 8197, spent 87 us a layer in the serial
+        pass 2 with 8 programs (benchmarks/probes/profile_replay_8b_128k.txt). Exact (tests/test_topk_chunked.py)
+        but not yet timed on an H200 (benchmarks/kernels/bench_union.py): off until it is. `union_chunk`: a
+        power of two >= 16.
     """
 
     def __post_init__(self):
         if self.rank_bits and (self.rank_bits % 2 or not 2 <= self.rank_bits <= 30):
             raise ValueError(f"rank_bits must be 0 or even in [2, 30], got {self.rank_bits}")
+        if self.union_chunk < 16 or self.union_chunk & (self.union_chunk - 1):
+            raise ValueError(f"union_chunk must be a power of two >= 16, got {self.union_chunk}")
 
     max_tile: int = 32768
     keys_per_thread: int = 16
@@ -83,6 +92,8 @@ class TopKLaunch:
     block_p: int | None = None
     num_warps: int | None = None
     rank_bits: int = 16
+    chunked_union_min_pages: int | None = None
+    union_chunk: int = 1024
 
 
 TOPK_LAUNCH = TopKLaunch()
@@ -384,6 +395,98 @@ def _topk_union_kernel(
                     stride_sp, stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False)
 
 
+@triton.jit
+def _chunk_picks(s_ptr, thr_ptr, need_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr, stride_sp, R_OUT, P, NCHUNK,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, NCHUNK_PAD: tl.constexpr,
+                 TIES: tl.constexpr):
+    """Chunk `i_c` of group `i_bg`: (its rows' picks [GROUP_PAD, CHUNK] as `_pick_union` makes them, its rows'
+    ties at T [GROUP_PAD, CHUNK], its page ids [CHUNK]). With TIES the ties of the earlier chunks (`ties_ptr`,
+    `[B * R_OUT, NCHUNK, GROUP]`) rank this chunk's; without, the picks are not formed (pass (a) needs none)."""
+    i_b = i_bg // R_OUT
+    i_g = i_bg % R_OUT
+    o_r = tl.arange(0, GROUP_PAD)
+    m_r = o_r < GROUP
+    o_p = i_c * CHUNK + tl.arange(0, CHUNK)
+    i_lo = tl.load(thr_ptr + i_bg * GROUP + o_r, mask=m_r, other=INT_MAX)
+    b_key = _load_keys(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, o_r, o_p, stride_sr, stride_sp, GROUP, P)
+    b_eq = (b_key == i_lo[:, None]).to(tl.int32)
+    m_pick = b_eq != 0
+    if TIES:
+        i_need = tl.load(need_ptr + i_bg * GROUP + o_r, mask=m_r, other=0)
+        o_c = tl.arange(0, NCHUNK_PAD)
+        b_prev = tl.load(ties_ptr + (i_bg * NCHUNK + o_c[:, None]) * GROUP + o_r[None, :],
+                         mask=(o_c[:, None] < i_c) & m_r[None, :], other=0)
+        # A tie's rank among its row's ties: those of the earlier chunks, then this chunk's lower ids.
+        b_rank = tl.cumsum(b_eq, axis=1) - 1 + tl.sum(b_prev, axis=0)[:, None]
+        m_pick = (b_key > i_lo[:, None]) | ((b_eq != 0) & (b_rank < i_need[:, None]))
+        m_pick = m_pick & (b_key > NEG_INF_KEY)
+    return m_pick, b_eq, o_p
+
+
+@triton.jit
+def _union_ties_kernel(
+    s_ptr, thr_ptr, ties_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R_OUT, P, NCHUNK,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, HAS_DUE: tl.constexpr,
+):
+    """Chunked pass 2, (a): per (group, chunk), each row's count of keys equal to its threshold T."""
+    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
+    if HAS_DUE:
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        i_bg = tl.program_id(0).to(tl.int64)
+        i_c = tl.program_id(1)
+        _, b_eq, _ = _chunk_picks(s_ptr, thr_ptr, thr_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr, stride_sp,
+                                  R_OUT, P, NCHUNK, GROUP, GROUP_PAD, CHUNK, 1, False)
+        o_r = tl.arange(0, GROUP_PAD)
+        tl.store(ties_ptr + (i_bg * NCHUNK + i_c) * GROUP + o_r, tl.sum(b_eq, axis=1), mask=o_r < GROUP)
+
+
+@triton.jit
+def _union_count_kernel(
+    s_ptr, thr_ptr, need_ptr, ties_ptr, cnt_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R_OUT, P, NCHUNK,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, NCHUNK_PAD: tl.constexpr,
+    HAS_DUE: tl.constexpr,
+):
+    """Chunked pass 2, (b): per (group, chunk), how many pages of the chunk the group's union takes."""
+    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
+    if HAS_DUE:
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        i_bg = tl.program_id(0).to(tl.int64)
+        i_c = tl.program_id(1)
+        m_pick, _, _ = _chunk_picks(s_ptr, thr_ptr, need_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr, stride_sp,
+                                    R_OUT, P, NCHUNK, GROUP, GROUP_PAD, CHUNK, NCHUNK_PAD, True)
+        o_1 = tl.arange(0, 1)
+        tl.store(cnt_ptr + i_bg * NCHUNK + i_c + o_1, tl.sum(tl.max(m_pick.to(tl.int32), axis=0), axis=0))
+
+
+@triton.jit
+def _union_write_kernel(
+    s_ptr, thr_ptr, need_ptr, ties_ptr, cnt_ptr, out_ptr, due_ptr,
+    stride_sb, stride_sr, stride_sp, stride_ob, stride_or, stride_ok, R_OUT, P, NCHUNK, K_OUT,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, NCHUNK_PAD: tl.constexpr,
+    HAS_DUE: tl.constexpr,
+):
+    """Chunked pass 2, (c): per (group, chunk), the chunk's union ids compacted after the earlier chunks' (so
+    ascending), and the -1 tail's slots among this chunk's [i_c * CHUNK, i_c * CHUNK + CHUNK) (K_OUT <= P)."""
+    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
+    if HAS_DUE:
+        due = tl.load(due_ptr).to(tl.int32)
+    if due != 0:
+        i_bg = tl.program_id(0).to(tl.int64)
+        i_c = tl.program_id(1)
+        m_pick, _, o_p = _chunk_picks(s_ptr, thr_ptr, need_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr,
+                                      stride_sp, R_OUT, P, NCHUNK, GROUP, GROUP_PAD, CHUNK, NCHUNK_PAD, True)
+        b_union = tl.max(m_pick.to(tl.int32), axis=0)
+        o_c = tl.arange(0, NCHUNK_PAD)
+        b_cnt = tl.load(cnt_ptr + i_bg * NCHUNK + o_c, mask=o_c < NCHUNK, other=0)
+        i_out = tl.sum(tl.where(o_c < i_c, b_cnt, 0), axis=0)
+        i_total = tl.sum(b_cnt, axis=0)
+        p_out = out_ptr + (i_bg // R_OUT) * stride_ob + (i_bg % R_OUT) * stride_or
+        b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
+        tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
+        tl.store(p_out + o_p * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(o_p >= i_total) & (o_p < K_OUT))
+
 def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
     g_pad = next_pow2(group)
@@ -407,7 +510,8 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
     largest score of each of its rows together, by a radix search on the fp32 bit pattern that starts at the
     bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
     Unions (group > 1, `launch.split_union`) take two launches instead: a program per row finds its threshold,
-    then a program per group writes the union (same ids). `launch`: a `TopKLaunch` (benchmarks and tests vary it).
+    then a program per group writes the union (same ids; from `launch.chunked_union_min_pages` pages a row,
+    programs per (group, chunk of pages) in three launches). `launch`: a `TopKLaunch` (benchmarks and tests vary it).
     `due` (HAS_DUE: selection reuse's device flag, the one `score_pages(due=)` read): every program loads it first
     and, where it is 0, returns before loading its row: nothing is read or written (`out`, the scores under
     `mask_rest` and the split union's thresholds keep their values; a fresh result stays unwritten), so a reusing
@@ -435,6 +539,16 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
 
 
 def _split_union(scores, out, k, group, launch, due=None):
+    thr, need = _thresholds(scores, k, launch, due)
+    P = scores.shape[2]
+    if launch.chunked_union_min_pages is not None and P >= launch.chunked_union_min_pages:
+        _chunked_union(scores, thr, need, out, group, launch, due)
+    else:
+        _serial_union(scores, thr, need, out, group, launch, due)
+
+
+def _thresholds(scores, k, launch, due=None):
+    """Split union, pass 1: each row's threshold key and ties to take, int32 `[B * R]` each."""
     B, R, P = scores.shape
     thr = torch.empty(B * R, dtype=torch.int32, device=scores.device)
     need = torch.empty_like(thr)
@@ -444,6 +558,13 @@ def _split_union(scores, out, k, group, launch, due=None):
         scores, thr, need, flag, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
         BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, num_warps=warps,
     )
+    return thr, need
+
+
+def _serial_union(scores, thr, need, out, group, launch, due=None):
+    """Split union, pass 2: one program per group, looping over the row's tiles."""
+    B, R, P = scores.shape
+    flag = due_arg(due, thr)
     block_p, warps, single = launch_config(P, group, launch)
     _topk_union_kernel[(B * (R // group),)](
         scores, thr, need, out, flag,
@@ -453,6 +574,29 @@ def _split_union(scores, out, k, group, launch, due=None):
         num_warps=warps,
     )
 
+
+
+def _chunked_union(scores, thr, need, out, group, launch, due=None):
+    """Split union, pass 2 over (group, chunk) programs (`TopKLaunch.chunked_union_min_pages`): the same ids as
+    `_serial_union`. Workspace: int32 tie counts `[B * R_OUT, NCHUNK, group]` and union counts `[B * R_OUT,
+    NCHUNK]`, written and read only where the `due` flag is 1."""
+    B, R, P = scores.shape
+    R_OUT = R // group
+    chunk = min(launch.union_chunk, max(16, next_pow2(P)))
+    nchunk = triton.cdiv(P, chunk)
+    ties = torch.empty(B * R_OUT, nchunk, group, dtype=torch.int32, device=scores.device)
+    cnt = torch.empty(B * R_OUT, nchunk, dtype=torch.int32, device=scores.device)
+    flag = due_arg(due, thr)
+    g_pad = next_pow2(group)
+    warps = max(1, min(launch.max_warps, g_pad * chunk // (32 * launch.keys_per_thread)))
+    grid = (B * R_OUT, nchunk)
+    strides = (scores.stride(0), scores.stride(1), scores.stride(2))
+    meta = dict(GROUP=group, GROUP_PAD=g_pad, CHUNK=chunk, HAS_DUE=due is not None, num_warps=warps)
+    _union_ties_kernel[grid](scores, thr, ties, flag, *strides, R_OUT, P, nchunk, **meta)
+    meta["NCHUNK_PAD"] = next_pow2(nchunk)
+    _union_count_kernel[grid](scores, thr, need, ties, cnt, flag, *strides, R_OUT, P, nchunk, **meta)
+    _union_write_kernel[grid](scores, thr, need, ties, cnt, out, flag, *strides,
+                              out.stride(0), out.stride(1), out.stride(2), R_OUT, P, nchunk, out.shape[2], **meta)
 
 # ------------------------------------------------------------------------------------------- top-p mask
 

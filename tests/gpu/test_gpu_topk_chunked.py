@@ -1,0 +1,36 @@
+"""GPU-marked: the split union's chunk-parallel pass 2 (`TopKLaunch.chunked_union_min_pages`) compiled at the
+128K Llama-3-8B size it was built for, against the serial pass 2 (exact ids, -1 tail and the reuse flag).
+
+Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu/test_gpu_topk_chunked.py`.
+"""
+import pytest
+import torch
+
+import triton_kernels as tk
+from triton_kernels import topk as topk_mod
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+def test_chunked_union_equals_serial_at_128k():
+    # B = 1, 32 query heads in groups of 4, P = 8197 pages (128K tokens + 128 + a spare page), k = 129; one row
+    # set with random scores, one with heavy ties at the k-th score (so `need` ranks ties across chunks).
+    B, R, P, k, group = 1, 32, 8197, 129, 4
+    g = torch.Generator(DEV).manual_seed(0)
+    rand = torch.randn(B, R, P, generator=g, device=DEV) * 3 + 20
+    ties = rand.round()
+    for s in (rand, ties):
+        s.masked_fill_(torch.rand(B, 1, P, generator=g, device=DEV) < 0.1, float("-inf"))
+        s[..., -1] = float("inf")
+        s[..., 5000] = float("inf")
+        serial = tk.topk_pages(s, k, group)
+        for chunk in (256, 1024, 4096):
+            launch = topk_mod.TopKLaunch(chunked_union_min_pages=1, union_chunk=chunk)
+            out = torch.full_like(serial, 0x7FC00000)
+            assert torch.equal(tk.topk_pages(s, k, group, launch=launch, out=out), serial), chunk
+            tk.topk_pages(s, k, group, launch=launch, due=torch.zeros((), dtype=torch.bool, device=DEV),
+                          out=out.fill_(7))
+            assert (out == 7).all()
+    ref = tk.topk_pages_ref(rand, k, group)  # no ties in the random rows: the reference's own choice
+    assert torch.equal(tk.topk_pages(rand, k, group, launch=topk_mod.TopKLaunch(chunked_union_min_pages=1)), ref)
