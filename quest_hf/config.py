@@ -51,6 +51,17 @@ class QuestConfig:
             Prefill, CPU and the attention are never compiled. `False`: plain eager modules.
         compile_backend: the `torch.compile` backend of `compile_decode` (default `"inductor"`; `"eager"` or
             `"aot_eager"` to debug the wrapping without code generation).
+        fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
+            (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
+            weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
+            one matmul per group instead of three and two (quest_hf/fuse_proj.py; with `compile_decode` the fused
+            MLP is what compiles). Aimed at batch-1 decode, where the weight GEMVs and their split-K reduce kernels
+            dominate the step; NOT YET MEASURED on a GPU: whether it lowers the step there, and whether cuBLAS's
+            fused GEMV rounds exactly as the separate ones (tokens could differ at near ties), is untested. Layers
+            whose modules do not fit are left unfused; `model._quest_state.fused` lists what was fused and why the
+            rest was not. While patched the q/k/v (gate/up) weights share one storage (transformers 5.24's
+            `save_pretrained` still writes and reloads them exactly); `unpatch_model`, or re-patching with
+            `False`, gives each its own contiguous copy back.
         defer_stop_check: `True` (default): `generate()` on CUDA decides whether to stop one step late,
             so the host queues the next step instead of waiting for the GPU after every token (HF's own
             `DeferredStopCheck`, which transformers turns on only for "mps"; 7B at 32K on an H200: 6.38
@@ -113,6 +124,7 @@ class QuestConfig:
     compile_decode: bool = True
     defer_stop_check: bool = True
     compile_backend: str = "inductor"
+    fuse_projections: bool = False
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
     bounds: str = "key_dtype"
@@ -159,7 +171,7 @@ class QuestConfig:
         self._check_bounds_and_reuse()
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
-        for name in ("compile_decode", "defer_stop_check"):
+        for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

@@ -76,12 +76,18 @@ def _run_compiled(compiled: DecodeCompile, key: str, fn, eager, *args, **kwargs)
 
 
 def _decode_forward(method: Method, x, *args, **kwargs):
-    """A norm's/MLP's forward (bound by `compile_decode_modules`): compiled for one-token decode inputs."""
+    """A norm's/MLP's forward (bound by `compile_decode_modules`): compiled for one-token decode inputs.
+
+    What compiles is the class's forward, or for an MLP fused by `fuse_projections` (quest_hf/fuse_proj.py, which
+    sets `_quest_fused`) while its fused weight is intact, the fused function that its forward now runs."""
     module, compiled, eager = method.__self__, method.data, method.original
     if x.dim() >= 3 and x.shape[1] == 1 and _is_decode(x, compiled.device_types):
         cls = type(module)
-        out, ok = _run_compiled(compiled, cls.__name__, cls.forward, lambda _, *a, **k: eager(*a, **k),
-                                module, x, *args, **kwargs)
+        fn, key, operands = cls.forward, cls.__name__, (module, x, *args)
+        fused = vars(module).get("_quest_fused")
+        if fused is not None and not args and not kwargs and fused.intact():
+            fn, key, operands = fused.function, f"{key} (fused {fused.name})", (module, x, *fused.operands())
+        out, ok = _run_compiled(compiled, key, fn, lambda *_, **__: eager(x, *args, **kwargs), *operands, **kwargs)
         module._quest_compiled_calls += ok
         return out
     return eager(x, *args, **kwargs)

@@ -28,6 +28,7 @@ from .binding import MISSING, Bindings, Method, shared_kind
 from .cache import QuestCache
 from .config import QuestConfig
 from .fuse import DecodeCompile, compile_decode_modules, enter_forward, exit_forward
+from .fuse_proj import Fusion, fuse_projections
 from .graph import DecodeGraph, SegmentGraph, plan_segments
 from .ops import triton_unavailable_reason
 from .selectors import check_config, selector_for
@@ -92,7 +93,9 @@ class _PatchState:
     cache_arg: str  # the decoder's name for the cache argument: "cache" (>= 5.24) or "past_key_values"
     attention_modules: list = field(default_factory=list)
     bindings: Bindings = field(default_factory=Bindings)  # everything the patch replaced, undone by unpatch_model
-    compile_bindings: Bindings | None = None  # the part of `bindings` that compile_decode replaced
+    fuse_bindings: Bindings | None = None  # the part of `bindings` that fuse_projections replaced
+    fused: Fusion | None = None  # fuse_projections' fused layers (quest_hf/fuse_proj.py); None: not fused
+    compile_bindings: Bindings | None = None  # the part of `bindings` that compile_decode replaced (after fusion)
     compiled: DecodeCompile | None = None  # compile_decode's settings, modules and failures (quest_hf/fuse.py)
     # Of the call in flight, never copied with the model (deepcopy, pickle):
     cache: QuestCache | None = None  # the cache of the forward in flight
@@ -515,6 +518,7 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
         if hasattr(model, "generate"):
             record.method(model, "generate", _generate)
         record.method(model, "forward", _forward)
+        state.fuse_bindings = record.child()  # before compile_decode's: its wrappers sit over the fused MLPs
         state.compile_bindings = record.child()
         _set_compiled(model, state)
     except BaseException:
@@ -575,12 +579,24 @@ def _check_settings(model, config: QuestConfig) -> None:
 
 
 def _set_compiled(model, state: _PatchState) -> None:
-    """Wrap or unwrap the decode-only compiled norms/MLPs to match `config.compile_decode` and its backend."""
+    """Fuse or unfuse the projections to match `config.fuse_projections`, and wrap or unwrap the decode-only
+    compiled norms/MLPs to match `config.compile_decode` and its backend. The compiled wrappers are bound over the
+    fused MLP forwards, so a fusion change takes them off first and puts them back after."""
     cfg, compiled = state.config, state.compiled
-    if compiled is not None and (not cfg.compile_decode or compiled.backend != cfg.compile_backend
+    refusion = (state.fused is not None) != cfg.fuse_projections  # fusion turns on or off
+    if compiled is not None and (refusion or not cfg.compile_decode or compiled.backend != cfg.compile_backend
                                  or compiled.device_types != cfg._compile_devices):
         state.compile_bindings.restore()
         state.compiled = None
+    if refusion and state.fused is not None:
+        state.fuse_bindings.restore()  # each projection gets a copy of its own weight back
+        state.fused = None
+    elif refusion:
+        try:
+            state.fused = fuse_projections(model, state.fuse_bindings)
+        except BaseException:
+            state.fuse_bindings.restore()  # nothing half-fused stays behind
+            raise
     if cfg.compile_decode and state.compiled is None:
         state.compiled = compile_decode_modules(model, state.compile_bindings, cfg.compile_backend,
                                                 cfg._compile_devices)
@@ -588,7 +604,8 @@ def _set_compiled(model, state: _PatchState) -> None:
 
 def unpatch_model(model):
     """Undo `patch_model`: every replacement it recorded, newest first (original attention implementation,
-    hooks removed, `generate`/`forward` and compiled modules back; the process-wide ones after the last model)."""
+    hooks removed, `generate`/`forward`, compiled modules and fused projections back, each projection with its own
+    weight again; the process-wide ones after the last model)."""
     state = vars(model).get("_quest_state")
     if state is None:
         return model
