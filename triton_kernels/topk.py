@@ -487,6 +487,7 @@ def _union_write_kernel(
         tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
         tl.store(p_out + o_p * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(o_p >= i_total) & (o_p < K_OUT))
 
+
 def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
     g_pad = next_pow2(group)
@@ -575,7 +576,6 @@ def _serial_union(scores, thr, need, out, group, launch, due=None):
     )
 
 
-
 def _chunked_union(scores, thr, need, out, group, launch, due=None):
     """Split union, pass 2 over (group, chunk) programs (`TopKLaunch.chunked_union_min_pages`): the same ids as
     `_serial_union`. Workspace: int32 tie counts `[B * R_OUT, NCHUNK, group]` and union counts `[B * R_OUT,
@@ -597,6 +597,7 @@ def _chunked_union(scores, thr, need, out, group, launch, due=None):
     _union_count_kernel[grid](scores, thr, need, ties, cnt, flag, *strides, R_OUT, P, nchunk, **meta)
     _union_write_kernel[grid](scores, thr, need, ties, cnt, out, flag, *strides,
                               out.stride(0), out.stride(1), out.stride(2), R_OUT, P, nchunk, out.shape[2], **meta)
+
 
 # ------------------------------------------------------------------------------------------- top-p mask
 
