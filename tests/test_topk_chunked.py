@@ -126,8 +126,8 @@ def test_chunked_union_due_flag(flag_dtype):
 
 
 def test_chunked_union_runs_from_its_page_count_only(monkeypatch):
-    # Off by default; on, from `chunked_union_min_pages` pages a row (the serial pass 2 below it).
-    assert topk_mod.TOPK_LAUNCH.chunked_union_min_pages is None
+    # By default from 2048 pages a row (where it was timed faster); the serial pass 2 below it.
+    assert topk_mod.TOPK_LAUNCH.chunked_union_min_pages == 2048
     calls = []
     for name in ("_serial_union", "_chunked_union"):
         real = getattr(topk_mod, name)

@@ -73,9 +73,11 @@ class TopKLaunch:
         (None: never): three launches over (group, chunk of `union_chunk` pages) programs, tie counts, union
         counts, compacted writes (same ids as the serial pass 2, which loops over a row's tiles in one program per
         group). Built for the 128K union: Llama-3-8B (groups of 4), P = 8197, spent 87 us a layer in the serial
-        pass 2 with 8 programs (benchmarks/probes/profile_replay_8b_128k.txt). Exact (tests/test_topk_chunked.py)
-        but not yet timed on an H200 (benchmarks/kernels/bench_union.py): off until it is. `union_chunk`: a
-        power of two >= 16.
+        pass 2 with 8 programs (benchmarks/probes/profile_replay_8b_128k.txt). Exact (tests/test_topk_chunked.py,
+        tests/gpu/test_gpu_topk_chunked.py). On an H200 (benchmarks/kernels/round10/bench_union_h200.md; 32 rows in
+        groups of 4, k = 129) chunks of 512 beat the serial pass 2 at every size timed, P = 2053 to 16389, B = 1
+        and 8 (B = 1, P = 8197: 11.0 vs 74.6 us; 2053: 9.3 vs 14.4), 1024 is slower than 512: hence on from 2048
+        pages, chunks of 512 (below 2048 not timed). `union_chunk`: a power of two >= 16.
     """
 
     def __post_init__(self):
@@ -92,8 +94,8 @@ class TopKLaunch:
     block_p: int | None = None
     num_warps: int | None = None
     rank_bits: int = 16
-    chunked_union_min_pages: int | None = None
-    union_chunk: int = 1024
+    chunked_union_min_pages: int | None = 2048
+    union_chunk: int = 512
 
 
 TOPK_LAUNCH = TopKLaunch()
