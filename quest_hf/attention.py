@@ -16,6 +16,8 @@ import sys
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import triton_kernels as tk
+
 from .graph import selected
 from .selectors import attend_pages
 
@@ -31,6 +33,11 @@ def decode_attention(layer, q: torch.Tensor, scale: float, dense: bool, window: 
     if cfg.num_pages + 1 >= pages or (window and window <= cfg.budget):
         dense = True  # everything the query may see fits the budget: exact dense attention, no selection
     if dense:
+        if q.device.type == "cpu" and layer.ops.name == "torch" and layer.rows is None and layer.pager is None:
+            # The host knows the length on CPU (never captured): attend the filled prefix in place.
+            start = max(layer.seq_len - window, 0) if window else 0
+            return tk.prefix_decode_attention_ref(q, layer.keys, layer.values, layer.valid, layer.seq_len, scale,
+                                                  start, softcap, sinks)
         return attend_pages(layer, q, layer.dense_pages(window), scale, window, softcap, sinks)
     return layer.selector.attend(layer, q, scale, window, on_select, softcap, sinks)
 

@@ -547,6 +547,25 @@ def test_softcap_sinks_reference_is_the_eager_formula():
         torch.testing.assert_close(got, torch.einsum("bhn,bhnd->bhd", w, v), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap, use_sinks", [(0.0, False), (4.0, True)], ids=["plain", "cap4-sinks"])
+def test_prefix_attention_equals_every_page(dtype, softcap, use_sinks):
+    """The CPU eager step's dense layers attend the filled prefix in place: the same output as the page twin given
+    every page (GQA, left padding, a window start, a partly filled allocation), and a window start past page 0."""
+    B, Hq, Hkv, D, S, L, C = 2, 6, 2, 32, 8, 45, 72
+    kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=13, pad=(0, 11), C=C)
+    q = (torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(6)) * 2).to(dtype).to(DEV)
+    sinks = torch.linspace(-1.0, 3.0, Hq).to(DEV) if use_sinks else None
+    ids = torch.arange(C // S, dtype=torch.int32, device=DEV).expand(B, Hkv, -1).contiguous()
+    for ws in (0, 3, 20):
+        want = tk.sparse_decode_attention_ref(q, kc, vc, ids, valid, L, S, 0.3, ws, softcap=softcap, sinks=sinks)
+        got = tk.prefix_decode_attention_ref(q, kc, vc, valid, L, 0.3, ws, softcap, sinks)
+        assert got.dtype == dtype and got.shape == (B, Hq, D)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"need 0 <= window_start \(45\) < seq_len \(45\)"):
+        tk.prefix_decode_attention_ref(q, kc, vc, valid, L, 0.3, L)
+
+
 def test_softcap_sinks_checked():
     kc, vc, kmin, kmax, valid = filled_layer(1, 1, 16, 4, 8, F32, seed=1)
     q = torch.randn(1, 2, 16).to(DEV)

@@ -203,11 +203,14 @@ def test_families_offloaded_equal_resident(family, overrides):
         with one_thread():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True)
-        logits[offload] = out.logits
+        logits[offload] = out.sequences, out.logits
         if offload:
             assert out.past_key_values.offload_stats["pages_fetched"] > 0
-    for a, b in zip(logits["cpu"], logits[None]):
-        assert torch.equal(a, b)
+    # Not bit-equal on CPU: there the resident layers that decode dense attend their prefix in place, the offloaded
+    # ones read their pool (the same tokens, summed in another order).
+    assert torch.equal(logits["cpu"][0], logits[None][0])
+    for a, b in zip(logits["cpu"][1], logits[None][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_sinks_refused():

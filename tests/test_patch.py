@@ -48,6 +48,26 @@ def test_budget_covering_context_equals_dense(family, extra):
     assert torch.equal(ref_beam, beam)
 
 
+@pytest.mark.parametrize("family, extra", [FAMILIES[1], FAMILIES[3]])
+def test_cpu_dense_layers_attend_the_prefix_in_place(family, extra, monkeypatch):
+    """On CPU a dense decode layer attends its filled prefix (or window) in place instead of gathering every page of
+    the allocation; the tokens and logits stay the unpatched ones (left padding, a window the prompt outgrows)."""
+    import quest_hf.attention as attention
+
+    model = tiny_model(family, **extra)
+    ids, mask = left_padded_batch()
+    ref = _gen(model, ids, mask)
+    calls = []
+    prefix = attention.tk.prefix_decode_attention_ref
+    monkeypatch.setattr(attention.tk, "prefix_decode_attention_ref",
+                        lambda *a, **k: calls.append(a[6]) or prefix(*a, **k))
+    patch_model(model, budget=256, page_size=16)
+    _assert_same(ref, _gen(model, ids, mask))
+    assert len(calls) == 11 * model.config.num_hidden_layers  # every decode step of every (dense) layer
+    if extra.get("sliding_window"):
+        assert max(calls) > 0  # the window's start, past the prompt's first token
+
+
 @pytest.mark.parametrize("family, extra", FAMILIES)
 def test_sparse_decode_runs_selection_only_in_sparse_layers(family, extra):
     model = tiny_model(family, **extra)

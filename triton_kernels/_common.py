@@ -99,3 +99,15 @@ def num_sms(device: torch.device) -> int:
 def _cuda_sms(index: int) -> int:
     # Read once per device, not on every launch (host time of an uncaptured decode step).
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@triton.jit
+def due_flag(due_ptr, HAS_DUE: tl.constexpr):
+    """Selection reuse's device flag as a kernel reads it (`if due_flag(due_ptr, HAS_DUE) != 0:` around the
+    kernel's work; 0: this step reuses its stored pages, the program returns having read only the flag). Without
+    HAS_DUE it is the constant 1 and the compiled kernel has no branch and no load (its TTIR checked on triton
+    3.6 and 3.9)."""
+    if HAS_DUE:
+        return tl.load(due_ptr).to(tl.int32)
+    else:
+        return 1

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_due, check_out, check_query, due_arg, next_pow2, require_triton, tl, triton
+from ._common import check_due, check_out, check_query, due_arg, due_flag, next_pow2, require_triton, tl, triton
 
 __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 
@@ -99,9 +99,7 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
         sc = gather_rows(scale[:, :, :P], rows)[:, :, None, :, None]
         lo, hi = lo * sc, hi * sc
     empty = (kmin[:, :, :P, 0] > kmax[:, :, :P, 0])[:, :, None]  # [B, H, 1, P]
-    # 0 * inf is NaN: empty pages are overwritten below, so zero them first.
-    lo = torch.where(empty[..., None], 0.0, lo)
-    hi = torch.where(empty[..., None], 0.0, hi)
+    # An empty page's bounds are +-inf, so its sum may be NaN (0 * inf): masked_fill overwrites NaN too.
     s = torch.maximum(qf * lo, qf * hi).sum(-1)  # [B, H, G, P]
     s = s.masked_fill(empty, float("-inf"))
     s[..., : window_start // page_size] = float("-inf")
@@ -198,11 +196,8 @@ def _score_pages_kernel(
 ):
     # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
     # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
-    # the same flag and none of these scores. Without HAS_DUE `due` is the Python int 1: no branch is emitted.
-    due = 1
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    # the same flag and none of these scores (`due_flag`: without HAS_DUE no branch is emitted).
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
         i_b = i_bh // H_KV
         o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)

@@ -4,9 +4,9 @@ from dataclasses import dataclass
 import torch
 
 from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
-from .score import _check_pos, check_rows, gather_rows, window_start_at
+from .score import _check_pos, check_rows, window_start_at
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_ref"]
+__all__ = ["prefix_decode_attention_ref", "sparse_decode_attention", "sparse_decode_attention_ref"]
 
 
 def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos=None, window=0,
@@ -47,37 +47,64 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     """
     B, H, G, D = _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_start, pos, window,
                         softcap, sinks)
-    check_rows(rows, B, k_cache.shape[2] // page_size, q.device)
-    if rows is not None:  # read every page through the table: the same storage as seen by each sequence
-        S = page_size
-        B_, H_, C, _ = k_cache.shape
-        paged = lambda t: t.reshape(t.shape[0], t.shape[1], C // S, S, -1)  # noqa: E731
-        k_cache = gather_rows(paged(k_cache), rows).reshape(B, H, C, -1)
-        v_cache = gather_rows(paged(v_cache), rows).reshape(B, H, C, -1)
-        valid = gather_rows(valid.reshape(B, 1, C // S, S), rows).reshape(B, C)
+    S, C = page_size, k_cache.shape[2]
+    P = C // S
+    check_rows(rows, B, P, q.device)
     K = page_ids.shape[2]
-    slots = page_ids.long()[..., None] * page_size + torch.arange(page_size, device=q.device)  # [B, H, K, S]
-    slots = slots.reshape(B, H, K * page_size)
-    ok = (page_ids.long()[..., None] >= 0).expand(B, H, K, page_size).reshape(B, H, -1)
-    # Out of place: with K == 1 the reshape above is a stride-0 view, which in-place ops reject.
-    ok = ok & (slots < seq_len) & (slots >= window_start)
+    page = page_ids.long()
+    live = page >= 0
+    page = page.clamp_min(0)  # [B, H, K]
+    # Whole pages by one index_select each (a contiguous copy of S * D values a page): the batch row holding
+    # each chosen page (its own, or the one the page table names), its KV head, the page.
+    row = torch.arange(B, device=q.device)[:, None, None] if rows is None else \
+        torch.gather(rows.long(), 1, page.reshape(B, H * K)).reshape(B, H, K)
+    head = torch.arange(H, device=q.device)[None, :, None]
+    flat = ((row * H + head) * P + page).reshape(-1)
+    keys = k_cache.reshape(B * H * P, S * D).index_select(0, flat).view(B, H, K * S, D).float()
+    vals = v_cache.reshape(B * H * P, S * D).index_select(0, flat).view(B, H, K * S, D).float()
+    slots = (page[..., None] * S + torch.arange(S, device=q.device)).reshape(B, H, K * S)
+    ok = valid.reshape(B * P, S).index_select(0, (row * P + page).reshape(-1)).view(B, H, K * S)
+    ok = ok & live[..., None].expand(B, H, K, S).reshape(B, H, K * S)
+    if seq_len < C:
+        ok = ok & (slots < seq_len)
+    if window_start:
+        ok = ok & (slots >= window_start)
     if window:
         ok = ok & (slots >= window_start_at(pos, window))
-    safe = slots.clamp(0, k_cache.shape[2] - 1)
-    ok = ok & torch.gather(valid[:, None].expand(B, H, -1), 2, safe)
-    idx = safe[..., None].expand(-1, -1, -1, D)
-    keys = torch.gather(k_cache, 2, idx).float()  # [B, H, N, D]
-    vals = torch.gather(v_cache, 2, idx).float()
+    return _softmax_attend(q, keys, vals, ok, scale, softcap, sinks)
+
+
+def _softmax_attend(q, keys, vals, ok, scale: float, softcap: float, sinks):
+    """`q [B, H_q, D]` over `keys/vals [B, H_kv, N, D]` (fp32) where `ok [B, H_kv or 1, N]`: `[B, H_q, D]` in q's
+    dtype, fp32 math; a row with no token gives 0."""
+    B, H, _, D = keys.shape
+    G = q.shape[1] // H
     qf = q.float().reshape(B, H, G, D)
-    logits = torch.einsum("bhgd,bhnd->bhgn", qf, keys) * scale
+    logits = torch.matmul(qf, keys.mT) * scale  # [B, H, G, N]
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~ok[:, :, None], float("-inf"))
     w = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with no token at all gives 0, not NaN
-    out = torch.einsum("bhgn,bhnd->bhgd", w, vals)
+    out = torch.matmul(w, vals)
     if sinks is not None:  # the sink takes its share of the denominator: sigmoid(lse - sink); no token: 0
         out = out * torch.sigmoid(torch.logsumexp(logits, -1) - sinks.float().reshape(H, G))[..., None]
     return out.reshape(B, H * G, D).to(q.dtype)
+
+
+def prefix_decode_attention_ref(q, k_cache, v_cache, valid, seq_len: int, scale: float, window_start: int = 0,
+                                softcap: float = 0.0, sinks=None):
+    """Dense decode attention over the filled prefix `[window_start, seq_len)` of the cache, read in place (no copy
+    of K/V in fp32 caches): what `sparse_decode_attention_ref` gives with every page chosen, for a host that knows
+    `seq_len` (the eager step on CPU; a captured step reads lengths on the device instead)."""
+    B, H, C, D = k_cache.shape
+    check_query(q, H, D, B)
+    if valid.shape != (B, C) or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor, got {valid.dtype} {tuple(valid.shape)}")
+    if not 0 <= window_start < seq_len <= C:
+        raise ValueError(f"need 0 <= window_start ({window_start}) < seq_len ({seq_len}) <= capacity {C}")
+    keys = k_cache[:, :, window_start:seq_len].float()
+    vals = v_cache[:, :, window_start:seq_len].float()
+    return _softmax_attend(q, keys, vals, valid[:, None, window_start:seq_len], scale, softcap, sinks)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_due, check_out, due_arg, next_pow2, require_triton, tl, triton
+from ._common import check_due, check_out, due_arg, due_flag, next_pow2, require_triton, tl, triton
 
 __all__ = ["topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref"]
 
@@ -336,10 +336,7 @@ def _topk_pages_kernel(
 ):
     # HAS_DUE (selection reuse): on a step that reuses its stored pages every program returns here, having read
     # one flag and nothing of its row, so the launch (fixed grid: a captured step) is nearly empty.
-    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_bg = tl.program_id(0).to(tl.int64)
         i_b = i_bg // R_OUT
         i_g = i_bg % R_OUT
@@ -355,10 +352,7 @@ def _topk_thresholds_kernel(
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group).
     A reusing step (HAS_DUE, flag 0) writes no threshold: pass 2 reads the same flag and none."""
-    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_row = tl.program_id(0).to(tl.int64)
         i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr,
                                           stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS)
@@ -377,10 +371,7 @@ def _topk_union_kernel(
 ):
     """Split union, pass 2: one program per group unites its rows' picks given their thresholds (none on a
     reusing step: HAS_DUE, flag 0, returns before reading them or the scores)."""
-    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_bg = tl.program_id(0).to(tl.int64)
         i_b = i_bg // R_OUT
         i_g = i_bg % R_OUT
@@ -431,10 +422,7 @@ def _union_ties_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CHUNK: tl.constexpr, HAS_DUE: tl.constexpr,
 ):
     """Chunked pass 2, (a): per (group, chunk), each row's count of keys equal to its threshold T."""
-    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_bg = tl.program_id(0).to(tl.int64)
         i_c = tl.program_id(1)
         _, b_eq, _ = _chunk_picks(s_ptr, thr_ptr, thr_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr, stride_sp,
@@ -450,10 +438,7 @@ def _union_count_kernel(
     HAS_DUE: tl.constexpr,
 ):
     """Chunked pass 2, (b): per (group, chunk), how many pages of the chunk the group's union takes."""
-    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_bg = tl.program_id(0).to(tl.int64)
         i_c = tl.program_id(1)
         m_pick, _, _ = _chunk_picks(s_ptr, thr_ptr, need_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr, stride_sp,
@@ -471,10 +456,7 @@ def _union_write_kernel(
 ):
     """Chunked pass 2, (c): per (group, chunk), the chunk's union ids compacted after the earlier chunks' (so
     ascending), and the -1 tail's slots among this chunk's [i_c * CHUNK, i_c * CHUNK + CHUNK) (K_OUT <= P)."""
-    due = 1  # without HAS_DUE a Python int: the `if` below is resolved at compile time, no branch
-    if HAS_DUE:
-        due = tl.load(due_ptr).to(tl.int32)
-    if due != 0:
+    if due_flag(due_ptr, HAS_DUE) != 0:
         i_bg = tl.program_id(0).to(tl.int64)
         i_c = tl.program_id(1)
         m_pick, _, o_p = _chunk_picks(s_ptr, thr_ptr, need_ptr, ties_ptr, i_bg, i_c, stride_sb, stride_sr,
