@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import triton_kernels as tk
 
+from .compiled import active_cache, compiled_step_active, compiled_step_traced
 from .graph import selected
 from .selectors import attend_pages
 
@@ -33,13 +34,50 @@ def decode_attention(layer, q: torch.Tensor, scale: float, dense: bool, window: 
     if cfg.num_pages + 1 >= pages or (window and window <= cfg.budget):
         dense = True  # everything the query may see fits the budget: exact dense attention, no selection
     if dense:
-        if q.device.type == "cpu" and layer.ops.name == "torch" and layer.rows is None and layer.pager is None:
-            # The host knows the length on CPU (never captured): attend the filled prefix in place.
+        if (q.device.type == "cpu" and layer.ops.name == "torch" and layer.rows is None and layer.pager is None
+                and not torch.compiler.is_compiling()):
+            # The host knows the length on CPU (never captured; a compiled step's graph reads it on the device):
+            # attend the filled prefix in place.
             start = max(layer.seq_len - window, 0) if window else 0
             return tk.prefix_decode_attention_ref(q, layer.keys, layer.values, layer.valid, layer.seq_len, scale,
                                                   start, softcap, sinks)
         return attend_pages(layer, q, layer.dense_pages(window), scale, window, softcap, sinks)
     return layer.selector.attend(layer, q, scale, window, on_select, softcap, sinks)
+
+
+# The compiled step's two ways in (quest_hf/compiled.py): traced, or one opaque op a layer.
+def traced_decode(layer, layer_idx: int, query, key, value, scale: float, window: int, softcap: float, sinks):
+    """Layer `layer_idx`'s decode token as the graph traces it: the device half of the append
+    (`QuestLayer.append_decode`) and the eager step's attention, with no hook."""
+    layer.append_decode(key, value)
+    return decode_attention(layer, query, scale, layer.config.is_dense(layer_idx), window, _no_hook, softcap, sinks)
+
+
+def _no_hook(ids):
+    pass
+
+
+@torch.library.custom_op("quest_hf::decode_attention", mutates_args=())
+def decode_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float,
+                        window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One decode token of layer `layer_idx` of the cache in flight: append `key/value [B, H_kv, 1, D]`, then attend
+    `query [B, H_q, D]` as the eager step does (`decode_attention`). Returns `[B, H_q, D]`."""
+    cache = active_cache()
+    layer = cache.layers[layer_idx]
+    cache.update(key, value, layer_idx)
+    hooks = cache.selection_hooks
+
+    def on_select(ids):
+        if hooks:
+            selected(None, layer_idx, query, ids, layer, hooks)
+
+    out = decode_attention(layer, query, scale, layer.config.is_dense(layer_idx), window, on_select, softcap, sinks)
+    return out if out.data_ptr() != query.data_ptr() else out.clone()
+
+
+@decode_attention_op.register_fake
+def _(query, key, value, layer_idx, scale, window, softcap, sinks):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 def family_eager(module):
@@ -60,6 +98,13 @@ def _eager_prefill(module, query, key, value, attention_mask, **kwargs):
     return family_eager(module)(module, query, key, value, attention_mask, **kwargs)
 
 
+def _window(state, idx: int, sliding_window) -> int:
+    """Layer `idx`'s sliding window (0: none): the one the mask carries (families.describe), not the keyword
+    (Qwen2-MoE's sliding layers pass none)."""
+    info = state.attention.get(idx) if getattr(state, "attention", None) else None
+    return (info.window if info.kind == "sliding" else 0) if info is not None else (sliding_window or 0)
+
+
 def quest_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                             sliding_window=None, **kwargs):
     """HF attention function: `query [B, H_q, q, D]`, `key/value [B, H_kv, L, D]` as the cache returned them.
@@ -72,6 +117,16 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
     sinks = kwargs.get("s_aux")
     if sinks is None and getattr(module, "sinks", None) is not None:
         sinks = module.sinks
+    if compiled_step_active() and query.shape[2] == 1:  # traced into quest_hf.compiled: key/value are the new token's
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        args = (query[:, :, 0], key, value, scale, _window(state, module.layer_idx, sliding_window), float(softcap),
+                sinks.float() if sinks is not None else None)
+        if compiled_step_traced():
+            out = traced_decode(cache.layers[module.layer_idx], module.layer_idx, *args)
+        else:
+            q, k, v, *rest = args
+            out = torch.ops.quest_hf.decode_attention(q, k, v, module.layer_idx, *rest)
+        return out[:, None], None
     if cache is not None and query.shape[2] > 1 and cache.layers[module.layer_idx].prefill_block:
         layer = cache.layers[module.layer_idx]  # a chunk of quest_hf.prefill: the past read in blocks
         if layer.seq_len > query.shape[2]:
@@ -88,9 +143,7 @@ def quest_attention_forward(module, query, key, value, attention_mask, dropout=0
     idx = module.layer_idx
     layer = cache.layers[idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # The window the mask carries (families.describe), not the keyword: Qwen2-MoE's sliding layers pass none.
-    info = state.attention.get(idx) if getattr(state, "attention", None) else None
-    window = (info.window if info.kind == "sliding" else 0) if info is not None else (sliding_window or 0)
+    window = _window(state, idx, sliding_window)
     q = query[:, :, 0]
     hooks = cache.selection_hooks
 

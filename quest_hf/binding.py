@@ -14,8 +14,11 @@ a copy of a `SharedUse` is one more holder (installing the replacement in a fres
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
+
+import torch
 
 
 class _Missing:
@@ -46,7 +49,10 @@ class Method:
     @property
     def original(self):
         if self.previous is MISSING:
-            return getattr(type(self.__self__), self.name).__get__(self.__self__)
+            fn = getattr(type(self.__self__), self.name)
+            if torch.compiler.is_compiling():  # a partial, not `__get__`: what dynamo traces (quest_hf/compiled.py)
+                return functools.partial(fn, self.__self__)
+            return fn.__get__(self.__self__)  # the bound method itself (restored as such, e.g. accelerate's hooks)
         return self.previous
 
     @property

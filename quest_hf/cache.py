@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import triton_kernels as tk
 
+from .compiled import bucket
 from .config import QuestConfig
 from .offload import make_pagers, offload_stats
 from .ops import Ops, resolve_backend
@@ -54,6 +55,12 @@ class _Step:
 
     def set(self, valid_new: torch.Tensor | None):
         self.valid_new, self._moved = (self.pinned if self.pinned is not None else valid_new), {}
+
+    def as_uint8(self) -> None:
+        """Hold this step's column as its uint8 view (what the append kernel reads; quest_hf.compiled's traced step
+        makes it outside its graph)."""
+        if self.valid_new is not None and self.valid_new.dtype == torch.bool:
+            self.valid_new = self.valid_new.view(torch.uint8)
 
     def get(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
         v = self.valid_new
@@ -117,6 +124,7 @@ class QuestLayer(CacheLayerMixin):
         self.pager = None  # K/V in host memory (QuestConfig.offload, quest_hf/offload.py); set by QuestCache
         # > 0 while quest_hf.prefill runs: a chunk attends to the earlier tokens in blocks of this many
         self.prefill_block = 0
+        self.valid_u8: torch.Tensor | None = None  # set only around a traced compiled step (`kernel_valid`)
         self.ops: Ops | None = None
         self.allocations = 0  # counts buffer moves: a captured step holds the addresses of the last one
         self._dense_ids: torch.Tensor | None = None
@@ -170,6 +178,8 @@ class QuestLayer(CacheLayerMixin):
         """Move to buffers of `tokens` slots (rounded up to pages) plus the spare page, keeping what is stored."""
         self._materialize()
         S = self.page_size
+        if self.config.compile_step:  # a compiled step compiles once per capacity (quest_hf/compiled.py)
+            tokens = bucket(tokens)
         cap = -(-tokens // S) * S + S
         B, H, D, Dv = self._shape
         dev, dt = self.device, self.dtype
@@ -229,20 +239,36 @@ class QuestLayer(CacheLayerMixin):
         if self.pager is not None:  # K/V to host memory, the metadata here (quest_hf/offload.py)
             paged = self.pager.append(self, key_states, value_states, valid_new, start)
         elif T == 1:  # the device position: no host value enters the step, so a graph replay stays right
-            self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.valid,
-                                     key_states, value_states, valid_new, self.pos, **bounds8)
-            self.pos += 1
+            self.append_decode(key_states, value_states, start)
         else:
             self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
                                key_states, value_states, valid_new, start, **bounds8)
             self.pos.fill_(start + T)
-        self.selector.on_append(self, key_states, start, valid_new)
+        if self.pager is not None or T > 1:
+            self.selector.on_append(self, key_states, start, valid_new)
         self.seq_len = start + T
         if self.pager is not None:
             return paged
         if T == 1:
             return self.keys, self.values
         return self.keys[:, :, : self.seq_len], self.values[:, :, : self.seq_len]
+
+    def append_decode(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int = -1) -> None:
+        """The device half of a one-token append (room for it made already, host length not advanced): store
+        `key_states/value_states [B, H_kv, 1, D]` at the device position, advance it, and tell the selector. Reads
+        no host length, so quest_hf.compiled traces it into its graph; `start` (the host length, -1 unknown) is
+        only handed to the selector, which must not use it for one token."""
+        valid_new = self._step.get(1, self.device)
+        bounds8 = {} if self.kmin8 is None else dict(bounds8=(self.kmin8, self.kmax8, self.kscale))
+        self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.kernel_valid(),
+                                 key_states, value_states, valid_new, self.pos, **bounds8)
+        self.pos += 1
+        self.selector.on_append(self, key_states, start, valid_new)
+
+    def kernel_valid(self) -> torch.Tensor:
+        """`valid` as the decode kernels take it: itself, or while quest_hf.compiled traces a step over this layer its
+        uint8 view made outside the graph (`valid_u8`; inductor cannot view a bool tensor)."""
+        return self.valid if self.valid_u8 is None else self.valid_u8
 
     def dense_pages(self, window: int = 0) -> torch.Tensor:
         """int32 `[B, H_kv, N]` page ids of a dense decode step: every page of the allocation, or with a sliding

@@ -49,8 +49,19 @@ class QuestConfig:
             decode step of a new batch size pays the compile (seconds to tens of seconds); a compile
             error is logged and that module runs eagerly (`model._quest_state.compiled.failed` says what).
             Prefill, CPU and the attention are never compiled. `False`: plain eager modules.
-        compile_backend: the `torch.compile` backend of `compile_decode` (default `"inductor"`; `"eager"` or
-            `"aot_eager"` to debug the wrapping without code generation).
+        compile_backend: the `torch.compile` backend of `compile_decode` and `compile_step` (default `"inductor"`;
+            `"eager"` or `"aot_eager"` to debug the wrapping without code generation).
+        compile_step: `False` (default). `True`: a decode step that is not captured (CPU, `cuda_graph=False`)
+            runs the model's whole one-token forward as one `torch.compile(fullgraph=True)` graph, no CUDA graph
+            (quest_hf/compiled.py): HF's layers become a few fused kernels with no Python between them. Quest's
+            part of each layer is traced into the graph where the step is plain device work (policy quest, no
+            selection hooks, no offload, no selection reuse; `compiled_step.traced_calls`), else called from it
+            as one op a layer. The first step compiles (on CPU for SmolLM2's 30 layers ~55 s), and again for each
+            new capacity (rounded up to an eighth of an octave) or batch size; a compile error is logged and the
+            steps run eagerly (`cache.decode_path` says so).
+            Measured on CPU (README, "One decode path"); on CUDA not yet shown to help: in the one try there the
+            traced form did not compile (inductor, the attention kernel) and the op form compiled but was no faster
+            (benchmarks/probes/uncaptured_r11.md).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
@@ -124,6 +135,7 @@ class QuestConfig:
     compile_decode: bool = True
     defer_stop_check: bool = True
     compile_backend: str = "inductor"
+    compile_step: bool = False
     fuse_projections: bool = False
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
@@ -171,7 +183,7 @@ class QuestConfig:
         self._check_bounds_and_reuse()
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
-        for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
+        for name in ("compile_decode", "compile_step", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

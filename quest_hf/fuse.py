@@ -57,8 +57,10 @@ def exit_forward(token: contextvars.Token) -> None:
 
 def _is_decode(x, device_types) -> bool:
     # Not under tensor parallel: its sharded linears run collectives that the eager path already handles.
+    # Not inside a compiled region (quest_hf.compiled's whole step): that compile covers these modules already.
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return x.device.type in device_types and not torch.is_grad_enabled() and not distributed
+    return (x.device.type in device_types and not torch.is_grad_enabled() and not distributed
+            and not torch.compiler.is_compiling())
 
 
 def _run_compiled(compiled: DecodeCompile, key: str, fn, eager, *args, **kwargs):
@@ -102,6 +104,8 @@ def _route_rotary(bindings: Bindings, module_name: str) -> None:
     key = f"{module_name}.apply_rotary_pos_emb"
 
     def apply_rotary_pos_emb(q, k, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inside a compiled region (quest_hf.compiled): it covers this call
+            return original(q, k, *args, **kwargs)
         compiled = _current.get()
         if compiled is not None and q.dim() == 4 and q.shape[-2] == 1 and _is_decode(q, compiled.device_types):
             out, ok = _run_compiled(compiled, key, original, original, q, k, *args, **kwargs)  # q: [B, H, 1, D]

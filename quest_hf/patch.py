@@ -26,6 +26,7 @@ from . import families
 from .attention import NAME, family_eager, quest_attention_forward
 from .binding import MISSING, Bindings, Method, shared_kind
 from .cache import QuestCache
+from .compiled import CompiledStep, compiled_step_active
 from .config import QuestConfig
 from .fuse import DecodeCompile, compile_decode_modules, enter_forward, exit_forward
 from .fuse_proj import Fusion, fuse_projections
@@ -105,10 +106,12 @@ class _PatchState:
     graph: DecodeGraph | SegmentGraph = field(default_factory=DecodeGraph)
     attention: dict = field(default_factory=dict)  # layer_idx -> families.LayerAttention (window, soft-cap, sinks)
     segments: _SegmentSplit | None = None  # tests and benchmarks only: set by `_force_segments`
+    # The uncaptured decode step compiled whole (quest_hf/compiled.py), made by the first step that runs it.
+    compiled_step: CompiledStep | None = None
 
 
     def __getstate__(self):
-        return dict(vars(self), cache=None, tokens=[], kept=None, graph=DecodeGraph())
+        return dict(vars(self), cache=None, tokens=[], kept=None, graph=DecodeGraph(), compiled_step=None)
 
     @property
     def compiled_modules(self) -> list:
@@ -122,6 +125,8 @@ def cache_arg_name(model) -> str:
 
 
 def _before_forward(decoder, args, kwargs):
+    if compiled_step_active():  # traced into the compiled step: it has no cache, its caller did this work
+        return None
     state: _PatchState = decoder._quest_state
     state.tokens.append(enter_forward(state.compiled))  # first: _after_forward (always called) pops it
     _cache_kwarg(state, kwargs)
@@ -150,6 +155,8 @@ def _before_forward(decoder, args, kwargs):
 
 
 def _after_forward(decoder, args, kwargs, output):
+    if compiled_step_active():
+        return None
     state = decoder._quest_state
     state.cache = None  # drop the reference: the cache lives as long as its user keeps it
     if state.tokens:
@@ -205,8 +212,9 @@ def capture_refusal(model, config: QuestConfig) -> str | None:
 
 def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
     """"captured" (one graph), "captured: 2 segments (cuda:0 layers 0-15, cuda:1 layers 16-31)" (one graph per
-    device segment), or "eager: <why>"; resolved once per cache (and logged when a CUDA model runs eagerly).
-    Under `_force_segments(..., capture=False)`: "uncaptured segments: <the segments>"."""
+    device segment), "compiled, uncaptured: <why>" (`compile_step`), or "eager: <why>"; resolved once per cache
+    (and logged when a CUDA model runs eagerly). Under `_force_segments(..., capture=False)`: "uncaptured segments:
+    <the segments>"."""
     if cache.decode_path is None:
         split = state.segments
         if split is not None and not split.capture:
@@ -217,11 +225,42 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
             segments = plan_segments(model, split.split_at if split is not None else ())
             cache.decode_path = "captured" if len(segments) == 1 else \
                 f"captured: {_segment_graph(model, state, True, segments).description}"
+        elif _compilable(model, state, cache.quest_config):
+            cache.decode_path = f"compiled, uncaptured: {why}"
+            logger.info_once(f"quest-hf: decode steps run uncaptured ({why}), the one-token forward through "
+                             f"torch.compile ({state.config.compile_backend})")
         else:
             cache.decode_path = f"eager: {why}"
             on_gpu = why != "cuda_graph=False" and next(model.parameters()).is_cuda
             (logger.warning_once if on_gpu else logger.info_once)(f"quest-hf: decode steps run uncaptured: {why}")
     return cache.decode_path
+
+
+def _compilable(model, state: _PatchState, cfg: QuestConfig) -> bool:
+    """Whether an uncaptured decode step of `model` runs compiled whole (quest_hf/compiled.py): `compile_step`, the
+    model on one CPU or CUDA device, no tensor parallel, and no earlier failure to compile it."""
+    devices = {p.device for p in model.parameters()}
+    step = state.compiled_step
+    return (cfg.compile_step and len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
+            and not _distributed() and (step is None or step.failed is None))
+
+
+def _compiled_decode(model, state: _PatchState, original, cache: QuestCache, ids, kwargs: dict):
+    """One decode step through the model's CompiledStep; None when it could not compile (the cache's decode_path then
+    says so, and this and later steps run eagerly)."""
+    step = state.compiled_step
+    if step is None or step.backend != state.config.compile_backend:
+        step = state.compiled_step = CompiledStep(original, state.config.compile_backend)
+    fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
+    state.cache = cache  # what the attention reads (the decoder's hook, which sets it, is not traced)
+    try:
+        out = step.step(cache, state.cache_arg, ids, kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+    finally:
+        state.cache = None
+    if out is None:
+        cache.decode_path = f"eager: {cache.decode_path.partition(': ')[2]}; compiling the step failed: " \
+                            f"{step.failed[:300]}"
+    return out
 
 
 def _segment_graph(model, state: _PatchState, capture: bool, segments=None) -> SegmentGraph:
@@ -431,6 +470,13 @@ def _forward(method: Method, *args, **kwargs):
         extra = sorted(set(kwargs) - _STEP_TENSORS - _STEP_CONSTANTS) + (["positional arguments"] if args[1:] else [])
         if path.startswith("eager"):
             return original(*args, **kwargs)
+        if path.startswith("compiled"):
+            out = _compiled_decode(model, state, original, cache, ids, kwargs) if not extra else None
+            if extra:
+                cache.decode_path = f"eager: the compiled step does not take {', '.join(extra)}"
+                logger.warning_once(f"quest-hf: decode steps run eagerly: the compiled step does not take "
+                                    f"{', '.join(extra)}")
+            return out if out is not None else original(*args, **kwargs)
         graph = _step_graph(model, state, path)
         if isinstance(graph, SegmentGraph) and getattr(model.config, "output_hidden_states", False):
             extra.append("output_hidden_states (config)")  # the layers inside a segment hand on their input
@@ -489,6 +535,7 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
         state.config = config
         state.kept = None
         state.graph.release()
+        state.compiled_step = None
         _set_compiled(model, state)
         logger.info(f"quest-hf: re-configured {model_type} with {config}")
         return model
@@ -611,6 +658,7 @@ def unpatch_model(model):
         return model
     state.kept = None
     state.graph.release()
+    state.compiled_step = None
     state.bindings.restore()
     return model
 

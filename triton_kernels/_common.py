@@ -21,9 +21,16 @@ def check_cache(k_cache, v_cache, kmin, kmax, valid):
         raise ValueError(f"capacity {C} must be a whole number of power-of-two pages, got {P} pages")
     if kmin.dtype != k_cache.dtype or kmax.dtype != k_cache.dtype:
         raise TypeError(f"kmin/kmax must have the keys' dtype {k_cache.dtype}, got {kmin.dtype}/{kmax.dtype}")
-    if valid.shape != (B, C) or valid.dtype != torch.bool:
-        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor, got {valid.dtype} {tuple(valid.shape)}")
+    if valid.shape != (B, C) or valid.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor (or its uint8 view), got {valid.dtype} "
+                         f"{tuple(valid.shape)}")
     return B, H, C, D
+
+
+def as_u8(mask):
+    """A bool mask as the kernels read it (uint8); a uint8 view made by the caller is taken as is (quest_hf.compiled's
+    traced step makes them outside its graph: inductor cannot view a bool tensor as uint8)."""
+    return mask if mask.dtype == torch.uint8 else mask.view(torch.uint8)
 
 
 def check_query(q, num_kv_heads: int, head_dim: int, batch: int):

@@ -4,7 +4,7 @@ Layouts follow `_contract.md`: caches `[B, H_kv, C, D]`, metadata `[B, H_kv, C /
 """
 import torch
 
-from ._common import check_cache, next_pow2, require_triton, tl, triton
+from ._common import as_u8, check_cache, next_pow2, require_triton, tl, triton
 from .bounds8 import quantize_bounds_at_ref, quantize_bounds_ref, quantize_tile
 
 __all__ = ["append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref"]
@@ -17,8 +17,9 @@ def _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start):
     T = k_new.shape[2]
     if start < 0 or start + T > C:
         raise ValueError(f"appending {T} tokens at slot {start} overflows the capacity {C}; grow the cache first")
-    if valid_new is not None and (valid_new.shape != (B, T) or valid_new.dtype != torch.bool):
-        raise ValueError(f"valid_new must be a bool [B={B}, T={T}] tensor, got {valid_new.dtype} {tuple(valid_new.shape)}")
+    if valid_new is not None and (valid_new.shape != (B, T) or valid_new.dtype not in (torch.bool, torch.uint8)):
+        raise ValueError(f"valid_new must be a bool (or its uint8 view) [B={B}, T={T}] tensor, got {valid_new.dtype} "
+                         f"{tuple(valid_new.shape)}")
     return B, H, C, D, T
 
 
@@ -135,8 +136,8 @@ def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, star
 
 def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, start_dev, pages, bounds8=None):
     B, H, _, D = k_cache.shape
-    valid_u8 = valid.view(torch.uint8)
-    vnew = valid_new.view(torch.uint8) if valid_new is not None else valid_u8  # unused when None
+    valid_u8 = as_u8(valid)
+    vnew = valid_u8 if valid_new is None else as_u8(valid_new)  # unused when None
     lo8, hi8, sc8 = bounds8 if bounds8 is not None else (valid_u8, valid_u8, valid_u8)
     s8 = (*lo8.stride(), *hi8.stride(), *sc8.stride()) if bounds8 is not None else (0,) * 11
     _append_kv_kernel[(B * H, pages)](
@@ -163,6 +164,7 @@ def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid
     """`append_kv_ref` of one token at the slot held by the device scalar `pos` (no host sync; the caller
     keeps `pos` inside the capacity and advances it). Index ops only, so a CUDA graph can capture it."""
     _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
+    valid_new = valid_new.bool() if valid_new is not None else None
     S = k_cache.shape[2] // kmin.shape[2]
     idx = pos.view(1).long()
     page = torch.div(idx, S, rounding_mode="floor")

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
+from ._common import as_u8, check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
 from .score import _check_pos, check_rows, window_start_at
 
 __all__ = ["prefix_decode_attention_ref", "sparse_decode_attention", "sparse_decode_attention_ref"]
@@ -20,8 +20,9 @@ def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_star
                          f"on {sinks.device}")
     if page_ids.dim() != 3 or page_ids.shape[:2] != (B, H) or page_ids.dtype != torch.int32:
         raise ValueError(f"page_ids must be int32 [B={B}, H_kv={H}, K], got {page_ids.dtype} {tuple(page_ids.shape)}")
-    if valid.shape != (B, C) or valid.dtype != torch.bool:
-        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor, got {valid.dtype} {tuple(valid.shape)}")
+    if valid.shape != (B, C) or valid.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor (or its uint8 view), got {valid.dtype} "
+                         f"{tuple(valid.shape)}")
     if not 1 <= seq_len <= C or C % page_size:
         raise ValueError(f"seq_len {seq_len} must be in [1, {C}] and the capacity a multiple of page_size {page_size}")
     if not 0 <= window_start < seq_len:
@@ -50,6 +51,7 @@ def sparse_decode_attention_ref(q, k_cache, v_cache, page_ids, valid, seq_len: i
     S, C = page_size, k_cache.shape[2]
     P = C // S
     check_rows(rows, B, P, q.device)
+    valid = valid if valid.dtype == torch.bool else valid.bool()  # a uint8 view (quest_hf.compiled's traced step)
     K = page_ids.shape[2]
     page = page_ids.long()
     live = page >= 0
@@ -356,7 +358,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     out = torch.empty(B, H * G, D, dtype=q.dtype, device=q.device)
     fuse = splits <= launch.fuse_merge_max_splits
     cnt = torch.zeros(B * H, dtype=torch.int32, device=q.device) if fuse else m_part
-    valid_u8 = valid.view(torch.uint8)
+    valid_u8 = as_u8(valid)
     block_d = max(16, next_pow2(D))
     block_s = max(2, next_pow2(splits))
     _sparse_attn_split_kernel[(B * H, splits)](

@@ -18,6 +18,9 @@ class Selector:
     """
 
     captured = True
+    # Whether a decode step (`on_append` of one token, `select`, `attend`) is plain device work that dynamo can trace
+    # into quest_hf.compiled's graph (no host state read or written); False: the compiled step calls it as an op.
+    traced = False
     # Whether `QuestConfig.budget` counts tokens (any number) rather than whole pages (a multiple of `page_size`).
     token_budget = False
     # Whether the selector reads `QuestConfig(bounds="int8")`'s 8-bit page bounds, and supports `reselect_every > 1`.
@@ -66,9 +69,9 @@ def attend_pages(layer, q: torch.Tensor, ids: torch.Tensor, scale: float, window
         kw["sinks"] = sinks
     if layer.rows is not None:  # beam search's page table (QuestLayer.reorder_cache)
         kw["rows"] = layer.rows
-    return layer.ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.valid, layer.keys.shape[2],
-                                             layer.page_size, scale, 0, pos=layer.pos if window else None,
-                                             window=window, **kw)
+    return layer.ops.sparse_decode_attention(q, layer.keys, layer.values, ids, layer.kernel_valid(),
+                                             layer.keys.shape[2], layer.page_size, scale, 0,
+                                             pos=layer.pos if window else None, window=window, **kw)
 
 
 def top_pages(layer, scores: torch.Tensor, group: int, k: int) -> torch.Tensor:

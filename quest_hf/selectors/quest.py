@@ -12,6 +12,7 @@ class QuestSelector(Selector):
     kernel attends the stored selection."""
 
     paged_reorder = True
+    traced = True
     int8_bounds = True
     reuses_selection = True
 

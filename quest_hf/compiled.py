@@ -1,0 +1,132 @@
+"""The uncaptured decode step, compiled whole (`QuestConfig(compile_step=True)`): one `torch.compile` of the model's
+one-token forward, no CUDA graph.
+
+An uncaptured step (CPU, `cuda_graph=False`) is bound by host time in HF: a layer runs ~25 small ops, each a Python
+call and a kernel launch, and Quest adds its own. The captured path (quest_hf/graph.py) removes all of it on one GPU;
+this path is for a model on one CPU or CUDA device whose steps are not captured: the model's whole one-token forward
+(embedding, every decoder layer, norm, head) is one dynamo graph, so HF's code runs as a few fused kernels with no
+Python between them. Quest's part of each layer — append the token, select pages, attend — enters the graph in one
+of two ways:
+- traced (`traceable(cache)`: policy quest, no selection hooks, no offload, no reuse): its device work is traced
+  into the graph (the PyTorch twins on CPU, the Triton kernels on CUDA); growth, the dense page list and the uint8
+  views happen before the graph runs, and the host lengths advance after it, as after a graph replay;
+- otherwise as one opaque op a layer (`quest_hf::decode_attention`): the eager step's append and attention, hooks
+  and all, run inside it at run time.
+
+The compiled forward sees no cache (`use_cache=False`, no mask): the attention of layer `i` receives the new
+token's key/value from HF's code and appends them to `cache.layers[i]` of the step in flight (`_ACTIVE`); the
+padding comes from the cache's valid slots, as in every decode step. Shapes are static (inductor's code for
+dynamic ones ran 3.4x slower on CPU: SmolLM2 at 4K 159 vs 46 ms a step), so a cache of another capacity or batch
+compiles again; to keep that rare a compile_step cache rounds its capacity up to an eighth of an octave
+(`bucket`, at least 1024 tokens; at most 12.5% more slots), and dynamo compiles at most `recompile_limit` (8)
+shapes of the step in a process, after which it runs the step uncompiled and says so in its own warning.
+
+What happened is visible: `cache.decode_path` ("compiled, uncaptured: <why no graph>", or "eager: <why>" with the
+compile error when compiling failed), and `calls` / `traced_calls` / `failed` on `model._quest_state.compiled_step`.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger("quest_hf")
+
+_ACTIVE: list = []  # the QuestCache of the compiled step in flight (a stack: nested models each push their own)
+
+
+_depth = 0  # len(_ACTIVE), as a plain int: what dynamo reads (and guards on) while tracing
+_traced = 0  # 1 while a step runs whose Quest part is traced into the graph (`traceable`), 0 under the op
+
+
+def compiled_step_active() -> bool:
+    """Whether the code running is (traced into) a CompiledStep's forward."""
+    return _depth > 0
+
+
+def compiled_step_traced() -> bool:
+    """Whether the step in flight traces Quest's kernels into its graph (else it calls `decode_attention_op`)."""
+    return _traced > 0
+
+
+def traceable(cache) -> bool:
+    """Whether a decode step over `cache` can trace Quest's part into the compiled graph: the layers' device work only
+    (append at the device position, score, Top-K, attention; host lengths advanced outside, as after a graph
+    replay), so no selection hooks (Python at run time), no offload (host reads), no selection reuse, and a selector
+    that declares its decode step traceable (`Selector.traced`)."""
+    if cache.selection_hooks:
+        return False
+    for layer in cache.layers:
+        if layer.pager is not None or layer.config.reselect_every > 1 or not getattr(layer.selector, "traced", False):
+            return False
+    return True
+
+
+def bucket(tokens: int) -> int:
+    """The capacity a compile_step cache allocates for `tokens`: rounded up to a multiple of an eighth of the power of
+    two at or below it, at least 1024 (e.g. 1024, 1152, ..., 2048, 2304, ...)."""
+    n = max(int(tokens), 1024)
+    step = (1 << (n.bit_length() - 1)) // 8
+    return -(-n // step) * step
+
+
+def active_cache():
+    """The QuestCache of the compiled step in flight (what `quest_hf::decode_attention` appends to)."""
+    return _ACTIVE[-1]
+
+
+class CompiledStep:
+    """The compiled one-token forward of one patched model (made on its first uncaptured decode step)."""
+
+    def __init__(self, forward, backend: str):
+        self.backend = backend
+        self.calls = 0  # compiled steps run (visible to users and tests)
+        self.traced_calls = 0  # of which traced Quest's kernels into the graph (`traceable`); the rest ran the op
+        self.failed: str | None = None  # the compile error, when compiling failed (the steps then run eagerly)
+
+        def step(input_ids, position_ids, **fixed):
+            return forward(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                           return_dict=True, **fixed)
+
+        self._fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+
+    def step(self, cache, cache_arg: str, input_ids, position_ids, attention_mask, fixed: dict):
+        """Run one decode token over `cache`; returns the model output with the cache under `cache_arg`, or None when
+        compiling failed (the caller runs the step eagerly; `failed` and the cache's decode_path say why)."""
+        if position_ids is None:
+            position_ids = torch.full_like(input_ids, cache.get_seq_length())
+        cache.begin_step(attention_mask, 1)
+        lengths = [layer.seq_len for layer in cache.layers]
+        traced = traceable(cache)
+        if traced:  # what the traced part must not do inside the graph: grow, build the dense page list
+            for layer in cache.layers:
+                layer.reserve(layer.seq_len + 1)
+                layer.dense_pages()
+            cache._step.as_uint8()  # the padding column as the append kernel reads it (inductor cannot view a bool)
+            for layer in cache.layers:  # likewise the valid slots, where the Triton kernels run
+                layer.valid_u8 = layer.valid.view(torch.uint8) if layer.ops.name == "triton" else None
+        global _depth, _traced
+        _ACTIVE.append(cache)
+        _depth += 1
+        _traced, was_traced = int(traced), _traced
+        try:
+            out = self._fn(input_ids, position_ids, **fixed)
+        except Exception as e:  # noqa: BLE001 - any compile error: this model's steps run eagerly, loudly
+            if self.calls or lengths != [layer.seq_len for layer in cache.layers]:
+                raise  # it ran before, or this step appended already: the error is the step's, not the compiler's
+            msg = f"{type(e).__name__}: {e}"
+            self.failed = msg if len(msg) < 3000 else f"{msg[:1500]} [...] {msg[-1500:]}"  # the tail names the line
+            logger.warning(f"quest-hf: the compiled uncaptured decode step failed, steps run eagerly: {self.failed}")
+            return None
+        finally:
+            _ACTIVE.pop()
+            _depth -= 1
+            _traced = was_traced
+            if traced:
+                for layer in cache.layers:
+                    layer.valid_u8 = None
+        if traced:
+            cache.replayed(1)  # the graph appended on the device: advance the host lengths
+            self.traced_calls += 1
+        self.calls += 1
+        out[cache_arg] = cache
+        return out

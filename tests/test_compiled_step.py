@@ -1,0 +1,91 @@
+"""`QuestConfig(compile_step=True)`: the uncaptured decode step as one torch.compile graph (quest_hf/compiled.py), on
+CPU. Each test compiles (seconds to tens of seconds on the CI box), so they are few and each checks much."""
+import pytest
+import torch
+
+from quest_hf import QuestCache, patch_model, unpatch_model
+from quest_hf.patch import cache_arg_name
+
+from .conftest import left_padded_batch, tiny_model
+
+NEW = 6
+
+
+def _generate(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_traced_step_gives_the_eager_tokens_and_reuses_its_graph():
+    """Batch 2, left padding, GQA, a sparse budget: the traced graph's tokens are the eager step's; prompts of other
+    lengths whose capacity falls in the same bucket reuse the graph (no recompile)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    prompts = [left_padded_batch(lengths=n) for n in ((90, 71), (60, 75), (50, 97))]
+    patch_model(model, budget=32, page_size=16, dense_layers=1)
+    eager = [_generate(model, ids, mask) for ids, mask in prompts]
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)
+    out = _generate(model, *prompts[0], return_dict_in_generate=True)
+    assert torch.equal(out.sequences, eager[0])
+    cache = out.past_key_values
+    assert cache.decode_path.startswith("compiled, uncaptured: ")
+    assert cache.layers[0].capacity == 1024 + 16  # the bucket, plus the spare page
+    step = model._quest_state.compiled_step
+    assert step.failed is None and step.calls == step.traced_calls == NEW - 1
+    graphs = counters["stats"]["unique_graphs"]
+    for (ids, mask), want in zip(prompts[1:], eager[1:]):
+        assert torch.equal(_generate(model, ids, mask), want)
+    assert counters["stats"]["unique_graphs"] == graphs  # the same bucket: the same graph
+    assert step.traced_calls == 3 * (NEW - 1)
+    unpatch_model(model)
+    assert not hasattr(model, "_quest_state")
+
+
+def test_capacity_buckets():
+    from quest_hf.compiled import bucket
+
+    assert [bucket(n) for n in (1, 1024, 1025, 1153, 2048, 2049, 4112, 9000)] == \
+        [1024, 1024, 1152, 1280, 2048, 2304, 4608, 9216]
+    assert all(n <= bucket(n) <= max(1024, n * 1.125) for n in range(1, 40000, 37))
+
+
+def test_hooks_run_inside_the_compiled_op_step_and_sliding_windows_hold():
+    """Selection hooks make the step call Quest as one op a layer (not traced): the hooks still fire every decode
+    step of every sparse layer and the tokens stay the eager ones, on a sliding-window model past its window."""
+    model = tiny_model("mistral", heads=4, kv_heads=2, layers=3, sliding_window=48)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    seen = {}
+
+    def run(compile_step):
+        patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=compile_step)
+        cache = QuestCache.from_model(model)
+        calls = []
+        cache.selection_hooks.append(lambda layer, q, page_ids: calls.append((layer, page_ids.clone())))
+        out = _generate(model, ids, mask, **{cache_arg_name(model): cache})
+        seen[compile_step] = calls
+        return out, cache
+
+    eager, _ = run(False)
+    compiled, cache = run(True)
+    assert torch.equal(compiled, eager)
+    assert cache.decode_path.startswith("compiled, uncaptured: ")
+    step = model._quest_state.compiled_step
+    assert step.failed is None and step.calls == NEW - 1 and step.traced_calls == 0  # hooks: the op path
+    assert len(seen[True]) == len(seen[False]) == 2 * (NEW - 1)  # layers 1 and 2, every decode step
+    for (la, a), (lb, b) in zip(seen[True], seen[False]):
+        assert la == lb and torch.equal(a, b)
+
+
+def test_compile_step_is_a_bool_and_off_by_default():
+    from quest_hf import QuestConfig
+
+    assert QuestConfig().compile_step is False
+    with pytest.raises(TypeError, match="compile_step must be True or False"):
+        QuestConfig(compile_step="yes")
