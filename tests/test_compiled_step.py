@@ -48,6 +48,22 @@ def test_traced_step_gives_the_eager_tokens_and_reuses_its_graph():
     assert not hasattr(model, "_quest_state")
 
 
+def test_beams_and_seeded_sampling_give_the_eager_tokens():
+    """Beam search (its reorders permute the page table between compiled steps) and seeded sampling."""
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    patch_model(model, budget=32, page_size=16, dense_layers=1)
+    beams = _generate(model, ids, mask, num_beams=3)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True)
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)
+    assert torch.equal(_generate(model, ids, mask, num_beams=3), beams)
+    step = model._quest_state.compiled_step
+    assert step.failed is None and step.traced_calls == NEW - 1
+    torch.manual_seed(0)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True), sampled)
+
+
 def test_capacity_buckets():
     from quest_hf.compiled import bucket
 
