@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Host cost per decode step on CPU (a tiny model: every step is host-bound): HF dense, Quest eager, and the two
-modes of the dropped compiled-step experiment. Needs `compiled_step_attempt.diff` applied, with `traceable()`
-returning False when `QUEST_OP=1` (see uncaptured_r11.md). Run from the repository root:
+modes of the compiled-step experiment. The record of the run in uncaptured_r11.md: it needs a tree of 9c6ba7e with
+`compiled_step_attempt.diff` applied (there `_compile_devices=("cpu",)` turned the step on, and `traceable()` returned
+False when `QUEST_OP=1`); in today's tree the step is `QuestConfig(compile_step=True)` and
+`compiled_step_gpu.py --device cpu` runs both forms. Run from that tree's root:
 
     TRITON_INTERPRET=1 python benchmarks/probes/compiled_step_cpu_host.py {dense,eager,op,traced} [backend] [prof]
 """
