@@ -378,6 +378,7 @@ def _code_scores_kernel(
     # One query head per program: the G heads of a KV group are neighbouring programs, so the codes they share
     # come from L2 after the first. (Looping over the heads in one program would hold G heads' accumulators, or
     # the unpacked codes, in registers.)
+    scale = tl.cast(scale, tl.float32)  # inductor passes a Python float as fp64
     i_pb = tl.program_id(1)
     i_b, i_q, i_h, p_q, p_out = _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G)
     if i_pb == N_BLOCKS:
@@ -473,6 +474,7 @@ def _code_scores_words_kernel(
     # all TOK tokens, so a page's grid value q.step of a channel is computed once for TOK tokens, a token's sum is
     # split over NW2 lanes only, and a code costs a LOP3 and an FFMA (see _fma_codes).
     # (ONE is unused here: the launch arguments are the "bytes" kernel's.)
+    scale = tl.cast(scale, tl.float32)  # inductor passes a Python float as fp64
     i_pb = tl.program_id(1)
     i_b, i_q, i_h, p_q, p_out = _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G)
     if i_pb == N_BLOCKS:

@@ -156,6 +156,9 @@ def _attn_split(
     Logits in log2 units: `q.k * qk_scale`, or with USE_SOFTCAP `softcap_log2 * tanh(q.k * qk_scale)` (the
     launcher folds scale / softcap into qk_scale). With HAS_ROWS each chosen page is read from the batch row that
     the page table `rows [B, P]` names for it (beam search shares the full pages of a common prefix)."""
+    # Inductor types a Python float argument fp64 (torch.compile of a step that calls this kernel): fp32 math.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     o_g = tl.arange(0, G_PAD)
     o_d = tl.arange(0, BLOCK_D)
     o_n = tl.arange(0, BLOCK_N)

@@ -613,6 +613,7 @@ def _top_p_mask_kernel(
     s_ptr, out_ptr, stride_sr, stride_sp, stride_or, stride_op, P, top_p,
     BLOCK_P: tl.constexpr,
 ):
+    top_p = tl.cast(top_p, tl.float32)  # inductor passes a Python float as fp64
     i_r = tl.program_id(0).to(tl.int64)
     o_p = tl.arange(0, BLOCK_P)
     m_p = o_p < P

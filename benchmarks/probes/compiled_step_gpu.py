@@ -46,6 +46,7 @@ def steps(model, cache, ids, n, hook=None):
             sync()
             times.append((time.perf_counter() - t) * 1e3)
             toks.append(tok)
+    steps.first_ms = [round(t, 1) for t in times[:4]]
     return torch.cat(toks, 1).cpu(), sorted(times[2:])[len(times[2:]) // 2] if n > 3 else times[-1]
 
 
@@ -56,6 +57,7 @@ def main():
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    ap.add_argument("--forms", nargs="+", default=["traced", "op"], choices=["traced", "op"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -69,6 +71,8 @@ def main():
     patch_model(model, budget=args.budget, cuda_graph=False, compile_decode=False)
     eager, rows["eager_ms"] = steps(model, QuestCache.from_model(model), ids, args.steps)
     for form, hook in (("traced", None), ("op", lambda layer, q, page_ids: None)):
+        if form not in args.forms:
+            continue
         torch._dynamo.reset()
         patch_model(model, budget=args.budget, cuda_graph=False, compile_decode=False, compile_step=True)
         row = rows[form] = {}
@@ -78,8 +82,9 @@ def main():
             toks, row["ms"] = steps(model, cache, ids, args.steps, hook)
             row["wall_s"] = time.perf_counter() - t
             st = model._quest_state.compiled_step
-            row.update(decode_path=cache.decode_path, calls=st.calls, traced_calls=st.traced_calls,
-                       failed=st.failed, tokens_equal_eager=bool(torch.equal(toks, eager)))
+            row.update(first_steps_ms=steps.first_ms, decode_path=cache.decode_path, calls=st.calls,
+                       traced_calls=st.traced_calls, failed=st.failed,
+                       tokens_equal_eager=bool(torch.equal(toks, eager)))
         except Exception as e:  # noqa: BLE001 - a probe: record the whole error
             row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         print(form, json.dumps(row, indent=1)[:20000], flush=True)
