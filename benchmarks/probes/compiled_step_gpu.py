@@ -85,6 +85,8 @@ def main():
             row.update(first_steps_ms=steps.first_ms, decode_path=cache.decode_path, calls=st.calls,
                        traced_calls=st.traced_calls, failed=st.failed,
                        tokens_equal_eager=bool(torch.equal(toks, eager)))
+            # Seconds in each phase of the compile (dynamo's own accounting): where a slow first step goes.
+            row["compile_times"] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
         except Exception as e:  # noqa: BLE001 - a probe: record the whole error
             row["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         print(form, json.dumps(row, indent=1)[:20000], flush=True)

@@ -1,0 +1,68 @@
+"""GPU-marked: `QuestConfig(compile_step=True)` on CUDA, the uncaptured step compiled whole (quest_hf/compiled.py).
+
+The traced form puts the Triton kernels in inductor's graph (they failed to compile there once: inductor types a
+Python float fp64, tests/test_kernel_float_args.py); the op form calls the eager step from the graph. Both must give
+the eager step's tokens. Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu`.
+"""
+import pytest
+import torch
+
+from quest_hf import QuestCache, patch_model, unpatch_model
+from quest_hf.bench import random_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = random_llama("tiny-mistral", torch.float16, torch.device(DEV), 4096)  # GQA 4/2, sliding window 128
+    yield m
+    unpatch_model(m)
+    torch._dynamo.reset()
+
+
+def _generate(model, ids, mask, hook=None, **options):
+    patch_model(model, budget=64, page_size=16, compile_decode=False, **options)
+    cache = QuestCache.from_model(model)
+    seen = []
+    if hook:
+        cache.selection_hooks.append(lambda i, q, page_ids: seen.append(i))
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW,
+                         do_sample=False, return_dict_in_generate=True, output_scores=True)
+    return out, cache, seen
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["traced", "op-with-hook"])
+def test_compiled_step_on_cuda_gives_the_eager_tokens(model, hook):
+    g = torch.Generator(DEV).manual_seed(4)
+    ids = torch.randint(2, 1000, (2, 400), device=DEV, generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # left padding
+    torch._dynamo.reset()
+    eager, c_e, seen_e = _generate(model, ids, mask, hook, cuda_graph=False)
+    comp, c_c, seen_c = _generate(model, ids, mask, hook, cuda_graph=False, compile_step=True)
+    step = model._quest_state.compiled_step
+    assert step.failed is None, step.failed
+    assert c_e.decode_path == "eager: cuda_graph=False"
+    assert c_c.decode_path == "compiled, uncaptured: cuda_graph=False"
+    assert step.calls >= NEW - 1 and step.traced_calls == (0 if hook else step.calls)
+    assert torch.equal(eager.sequences, comp.sequences)
+    for a, b in zip(eager.scores, comp.scores):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert seen_e == seen_c and (len(seen_c) > 0) == hook
+
+
+def test_captured_compile_step_cache_is_not_bucketed(model):
+    """With the step captured, compile_step never compiles: the capacity is the plain one, not a bucket."""
+    ids = torch.randint(2, 1000, (1, 1100), device=DEV, generator=torch.Generator(DEV).manual_seed(5))
+    mask = torch.ones_like(ids)
+    _, captured, _ = _generate(model, ids, mask, cuda_graph="auto", compile_step=True)
+    _, uncaptured, _ = _generate(model, ids, mask, cuda_graph=False, compile_step=True)
+    from quest_hf.compiled import bucket
+
+    assert captured.decode_path == "captured"
+    a, b = captured.layers[0].capacity - 16, uncaptured.layers[0].capacity - 16  # less the spare page
+    assert b == bucket(b) and a != bucket(a) and a < b
