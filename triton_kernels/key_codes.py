@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_cache, check_query, next_pow2, require_triton, tl, triton
+from ._common import cdiv, check_cache, check_query, next_pow2, require_triton, tl, triton
 
 __all__ = ["encode_codes", "encode_codes_ref", "encode_codes_at", "encode_codes_at_ref", "code_scores", "code_scores_ref",
            "CODE_BITS", "MODES"]
@@ -654,7 +654,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
         ch = page_size // tok
         block_p = launch.block_p or max(1, num_warps * 32 // (D * bits // 64) // ch)
         block_p = min(block_p, next_pow2(max(1, n_pages)))
-        n_blocks = triton.cdiv(n_pages, block_p)
+        n_blocks = cdiv(n_pages, block_p)
         _code_scores_words_kernel[(B * H * G, n_blocks + 1)](
             *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
             G=G, D=D, PAGE=page_size, BLOCK_U=block_p * ch, BITS=bits, SEG=min(16 // bits, 8),
@@ -663,7 +663,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
         return out
     block_p = launch.block_p or max(1, launch.block_p_bytes * 16 // page_size)
     block_p = min(block_p, next_pow2(max(1, n_pages)))
-    n_blocks = triton.cdiv(n_pages, block_p)
+    n_blocks = cdiv(n_pages, block_p)
     _code_scores_kernel[(B * H * G, n_blocks + 1)](
         *common, H * G, P, seq_len, window_start, n_blocks, n_pages, 0x3F800000, scale,
         G=G, D=D, PAGE=page_size, BLOCK_P=block_p, BITS=bits, USE_LSE=mode == "lse", HAS_PAGES=pages is not None,

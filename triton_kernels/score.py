@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_due, check_out, check_query, due_arg, due_flag, next_pow2, require_triton, tl, triton
+from ._common import cdiv, check_due, check_out, check_query, due_arg, due_flag, next_pow2, require_triton, tl, triton
 
 __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 
@@ -239,15 +239,12 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     check_out(out, shape, torch.float32, q.device)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=q.device)
-    grid = (B * H, triton.cdiv(P, launch.block_p))
+    grid = (B * H, cdiv(P, launch.block_p))
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     _score_pages_kernel[grid](
         q, kmin, kmax, out, pos if pos is not None else out, rows if rows is not None else out,
         scale if scale is not None else out, due_arg(due, out),
-        q.stride(0), q.stride(1), q.stride(2),
-        kmin.stride(0), kmin.stride(1), kmin.stride(2), kmin.stride(3),
-        kmax.stride(0), kmax.stride(1), kmax.stride(2), kmax.stride(3),
-        out.stride(0), out.stride(1), out.stride(2), rows.stride(0) if rows is not None else 0,
+        *q.stride(), *kmin.stride(), *kmax.stride(), *out.stride(), rows.stride(0) if rows is not None else 0,
         *s_strides,
         H, P, window_start // page_size, page_size, window,
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,

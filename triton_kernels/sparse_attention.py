@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import as_u8, check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
+from ._common import as_u8, cdiv, check_query, interpreting, next_pow2, num_sms, require_triton, tl, triton
 from .score import _check_pos, check_rows, window_start_at
 
 __all__ = ["prefix_decode_attention_ref", "sparse_decode_attention", "sparse_decode_attention_ref"]
@@ -13,6 +13,9 @@ def _check(q, k_cache, v_cache, page_ids, valid, seq_len, page_size, window_star
            softcap=0.0, sinks=None):
     B, H, C, D = k_cache.shape
     G = check_query(q, H, D, B)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must match k_cache ({k_cache.dtype} {tuple(k_cache.shape)}: one head dim for keys and "
+                         f"values), got {v_cache.dtype} {tuple(v_cache.shape)}")
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
     if sinks is not None and (sinks.shape != (H * G,) or sinks.dtype != torch.float32 or sinks.device != q.device):
@@ -331,10 +334,10 @@ def _sparse_attn_merge_kernel(
 def _num_splits(device, rows: int, n_ids: int, page_size: int, launch: AttentionLaunch) -> tuple[int, int]:
     """Split each row's page list so that about `programs_per_sm` programs run per SM; (splits, ids each)."""
     ids_per_step = max(1, launch.block_n // page_size)
-    steps = max(1, triton.cdiv(n_ids, ids_per_step))
-    splits = max(1, min(steps, triton.cdiv(launch.programs_per_sm * num_sms(device), rows)))
-    ids_each = triton.cdiv(steps, splits) * ids_per_step
-    return max(1, triton.cdiv(max(n_ids, 1), ids_each)), ids_each
+    steps = max(1, cdiv(n_ids, ids_per_step))
+    splits = max(1, min(steps, cdiv(launch.programs_per_sm * num_sms(device), rows)))
+    ids_each = cdiv(steps, splits) * ids_per_step
+    return max(1, cdiv(max(n_ids, 1), ids_each)), ids_each
 
 
 def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, page_size: int,
@@ -366,12 +369,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
     block_s = max(2, next_pow2(splits))
     _sparse_attn_split_kernel[(B * H, splits)](
         q, k_cache, v_cache, page_ids, valid_u8, m_part, l_part, acc_part, cnt, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        page_ids.stride(0), page_ids.stride(1), page_ids.stride(2),
-        valid_u8.stride(0), valid_u8.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_ids.stride(), *valid_u8.stride(), *out.stride(),
         H, K, ids_each, splits, seq_len, window_start, window,
         scale / softcap if softcap else scale * LOG2E, pos if window else valid_u8,
         softcap * LOG2E, sinks if sinks is not None else m_part, rows if rows is not None else page_ids,

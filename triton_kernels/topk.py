@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_due, check_out, due_arg, due_flag, next_pow2, require_triton, tl, triton
+from ._common import cdiv, check_due, check_out, due_arg, due_flag, next_pow2, require_triton, tl, triton
 
 __all__ = ["topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref"]
 
@@ -567,7 +567,7 @@ def _chunked_union(scores, thr, need, out, group, launch, due=None):
     B, R, P = scores.shape
     R_OUT = R // group
     chunk = min(launch.union_chunk, max(16, next_pow2(P)))
-    nchunk = triton.cdiv(P, chunk)
+    nchunk = cdiv(P, chunk)
     ties = torch.empty(B * R_OUT, nchunk, group, dtype=torch.int32, device=scores.device)
     cnt = torch.empty(B * R_OUT, nchunk, dtype=torch.int32, device=scores.device)
     flag = due_arg(due, thr)
