@@ -566,7 +566,7 @@ def test_prefix_attention_equals_every_page(dtype, softcap, use_sinks):
         tk.prefix_decode_attention_ref(q, kc, vc, valid, L, 0.3, L)
 
 
-def test_softcap_sinks_checked():
+def test_softcap_sinks_and_values_checked():
     kc, vc, kmin, kmax, valid = filled_layer(1, 1, 16, 4, 8, F32, seed=1)
     q = torch.randn(1, 2, 16).to(DEV)
     ids = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEV)
@@ -577,14 +577,7 @@ def test_softcap_sinks_checked():
             attend(q, kc, vc, ids, valid, 8, 4, 1.0, sinks=torch.zeros(1).to(DEV))
         with pytest.raises(ValueError, match=r"sinks must be fp32"):
             attend(q, kc, vc, ids, valid, 8, 4, 1.0, sinks=torch.zeros(2, dtype=F16).to(DEV))
-
-
-def test_values_must_match_keys():
-    """One head dim for keys and values: a V cache of another shape or dtype is refused, not read with K's strides."""
-    kc, vc, kmin, kmax, valid = filled_layer(1, 1, 16, 4, 8, F32, seed=1)
-    q = torch.randn(1, 2, 16).to(DEV)
-    ids = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEV)
-    for attend in (tk.sparse_decode_attention_ref, tk.sparse_decode_attention):
+        # One head dim for keys and values: a V cache of another shape or dtype is refused, not read with K's strides.
         with pytest.raises(ValueError, match="v_cache must match k_cache"):
             attend(q, kc, vc[..., :8], ids, valid, 8, 4, 1.0)
         with pytest.raises(ValueError, match="v_cache must match k_cache"):
