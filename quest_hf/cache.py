@@ -56,11 +56,14 @@ class _Step:
     def set(self, valid_new: torch.Tensor | None):
         self.valid_new, self._moved = (self.pinned if self.pinned is not None else valid_new), {}
 
-    def as_uint8(self) -> None:
-        """Hold this step's column as its uint8 view (what the append kernel reads; quest_hf.compiled's traced step
-        makes it outside its graph)."""
-        if self.valid_new is not None and self.valid_new.dtype == torch.bool:
-            self.valid_new = self.valid_new.view(torch.uint8)
+    def for_graph(self) -> None:
+        """Hold this step's column as a fresh uint8 tensor of its own (what the append kernel reads; quest_hf.compiled's
+        traced step makes it outside its graph): inductor cannot view a bool as uint8, and a view into HF's mask,
+        which grows a column a step, has a row stride that changes every step, which the graph's guards recompile on
+        (torch 2.11 at batch 1: every step compiled again until dynamo's limit)."""
+        v = self.valid_new
+        if v is not None:
+            self.valid_new = torch.empty(v.shape, dtype=torch.uint8, device=v.device).copy_(v)
 
     def get(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
         v = self.valid_new

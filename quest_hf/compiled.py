@@ -101,7 +101,7 @@ class CompiledStep:
             for layer in cache.layers:
                 layer.reserve(layer.seq_len + 1)
                 layer.dense_pages()
-            cache._step.as_uint8()  # the padding column as the append kernel reads it (inductor cannot view a bool)
+            cache._step.for_graph()  # the padding column as the append kernel reads it, in a tensor of its own
             for layer in cache.layers:  # likewise the valid slots, where the Triton kernels run
                 layer.valid_u8 = layer.valid.view(torch.uint8) if layer.ops.name == "triton" else None
         global _depth, _traced

@@ -105,3 +105,20 @@ def test_compile_step_is_a_bool_and_off_by_default():
     assert QuestConfig().compile_step is False
     with pytest.raises(TypeError, match="compile_step must be True or False"):
         QuestConfig(compile_step="yes")
+
+
+def test_traced_step_reads_a_padding_column_of_its_own():
+    """The padding column a traced step's graph reads is a fresh uint8 tensor, not a view into HF's mask: at batch 1
+    with a bool mask the view's row stride is the mask's length, which grows every step, and torch 2.11's guards
+    compiled the 7B step again on every step of generate() (H200) until dynamo's limit."""
+    from quest_hf.cache import _Step
+
+    for batch in (1, 2):
+        mask = torch.ones(batch, 300, dtype=torch.bool)
+        step = _Step()
+        step.set(mask[:, -1:].bool())  # what QuestCache.begin_step holds: a view when the mask is bool
+        assert step.valid_new.stride() == (300, 1)
+        step.for_graph()
+        column = step.valid_new
+        assert column.dtype == torch.uint8 and column.stride() == (1, 1) and column._base is None
+        assert column.tolist() == [[1]] * batch
