@@ -59,10 +59,11 @@ class QuestConfig:
             as one op a layer. The first step compiles (on CPU for SmolLM2's 30 layers ~55 s), and again for each
             new capacity (rounded up to an eighth of an octave) or batch size; a compile error is logged and the
             steps run eagerly (`cache.decode_path` says so).
-            Measured on CPU (README, "One decode path"). On CUDA both forms compile and give the eager tokens
-            (H200, a 4-layer model: traced 2.46 ms a step vs eager 7.55; benchmarks/e2e/run12); at the 7B shape
-            its speed is not measured yet (the one try did not finish compiling within ~6 minutes). On CUDA
-            the capacity is rounded only with `cuda_graph=False` (a captured step never compiles).
+            Measured on CPU (README, "One decode path"). On CUDA both forms compile and give the eager tokens;
+            H200, Llama-2-7B shape at 32K, a hand-driven loop: one compile of 96 s, then 14.83 ms a step against
+            the eager step's 73.27 and HF DynamicCache's 76.79 in the same call (benchmarks/e2e/run12). Inside
+            `generate()` on torch 2.11 it recompiled every step until a fix not yet run on a GPU (run12, call 4).
+            On CUDA the capacity is rounded only with `cuda_graph=False` (a captured step never compiles).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
