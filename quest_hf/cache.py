@@ -181,7 +181,8 @@ class QuestLayer(CacheLayerMixin):
         """Move to buffers of `tokens` slots (rounded up to pages) plus the spare page, keeping what is stored."""
         self._materialize()
         S = self.page_size
-        if self.config.compile_step and (self.device.type != "cuda" or self.config.cuda_graph is False):
+        kind = self.device.type
+        if self.config.compiles_step(kind) and (kind != "cuda" or self.config.cuda_graph is False):
             tokens = bucket(tokens)  # a compiled step compiles once per capacity (quest_hf/compiled.py); not captured
         cap = -(-tokens // S) * S + S
         B, H, D, Dv = self._shape

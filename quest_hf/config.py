@@ -51,19 +51,20 @@ class QuestConfig:
             Prefill, CPU and the attention are never compiled. `False`: plain eager modules.
         compile_backend: the `torch.compile` backend of `compile_decode` and `compile_step` (default `"inductor"`;
             `"eager"` or `"aot_eager"` to debug the wrapping without code generation).
-        compile_step: `False` (default). `True`: a decode step that is not captured (CPU, `cuda_graph=False`)
-            runs the model's whole one-token forward as one `torch.compile(fullgraph=True)` graph, no CUDA graph
-            (quest_hf/compiled.py): HF's layers become a few fused kernels with no Python between them. Quest's
-            part of each layer is traced into the graph where the step is plain device work (policy quest, no
-            selection hooks, no offload, no selection reuse; `compiled_step.traced_calls`), else called from it
-            as one op a layer. The first step compiles (on CPU for SmolLM2's 30 layers ~55 s), and again for each
-            new capacity (rounded up to an eighth of an octave) or batch size; a compile error is logged and the
-            steps run eagerly (`cache.decode_path` says so).
-            Measured on CPU (README, "One decode path"). On CUDA both forms compile and give the eager tokens;
-            H200, Llama-2-7B shape at 32K, a hand-driven loop: one compile of 96 s, then 14.83 ms a step against
-            the eager step's 73.27 and HF DynamicCache's 76.79 in the same call (benchmarks/e2e/run12). Inside
-            `generate()` on torch 2.11 it recompiled every step until a fix not yet run on a GPU (run12, call 4).
-            On CUDA the capacity is rounded only with `cuda_graph=False` (a captured step never compiles).
+        compile_step: `"auto"` (default): on CUDA with `cuda_graph=False` the decode step compiles whole (below);
+            elsewhere it does not (CPU steps, and CUDA steps whose capture was refused, run eagerly). `True`: every
+            decode step that is not captured (CPU, `cuda_graph=False`, a refused capture) compiles whole. `False`:
+            uncaptured steps run eagerly. A compiled step is the model's whole one-token forward as one
+            `torch.compile(fullgraph=True)` graph, no CUDA graph (quest_hf/compiled.py): HF's layers become a few
+            fused kernels with no Python between them. Quest's part of each layer is traced into the graph where the
+            step is plain device work (policy quest, no selection hooks, no offload, no selection reuse;
+            `compiled_step.traced_calls`), else called from it as one op a layer. The first step compiles (H200,
+            Llama-2-7B shape: ~1.5 min; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size or
+            capacity; with `cuda_graph=False` or on CPU the capacity is rounded up to an eighth of an octave so that
+            prompts of similar lengths share one compile (at most 12.5% more K/V slots than needed). A compile error
+            is logged and the steps run eagerly (`cache.decode_path` says which path ran). H200, Llama-2-7B shape,
+            32K, `generate()` with `cuda_graph=False`: 15.04 ms/token compiled vs HF DynamicCache's 29.19 (1.94x),
+            the eager step 38.39 vs 27.01 in another call (benchmarks/e2e/run13, run12).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
@@ -137,7 +138,7 @@ class QuestConfig:
     compile_decode: bool = True
     defer_stop_check: bool = True
     compile_backend: str = "inductor"
-    compile_step: bool = False
+    compile_step: bool | str = "auto"
     fuse_projections: bool = False
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
@@ -185,7 +186,9 @@ class QuestConfig:
         self._check_bounds_and_reuse()
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
-        for name in ("compile_decode", "compile_step", "defer_stop_check", "fuse_projections"):
+        if not (isinstance(self.compile_step, bool) or self.compile_step == "auto"):
+            raise TypeError(f"compile_step must be True, False or 'auto', got {self.compile_step!r}")
+        for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
@@ -259,6 +262,13 @@ class QuestConfig:
                              "quest_hf.calibrate(model, ...) on this model")
         if self.dense and self.dense[-1] >= num_layers:
             raise ValueError(f"dense names layer {self.dense[-1]}, but the model has layers 0-{num_layers - 1}")
+
+    def compiles_step(self, device_type: str) -> bool:
+        """Whether a decode step on a `device_type` device that is not captured runs compiled whole (`compile_step`:
+        the one place "auto" is resolved)."""
+        if self.compile_step == "auto":
+            return device_type == "cuda" and self.cuda_graph is False
+        return self.compile_step
 
     def is_dense(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` decodes dense: listed in `dense`, else one of the first `dense_layers`."""

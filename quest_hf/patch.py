@@ -227,8 +227,11 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
                 f"captured: {_segment_graph(model, state, True, segments).description}"
         elif _compilable(model, state, cache.quest_config):
             cache.decode_path = f"compiled, uncaptured: {why}"
-            logger.info_once(f"quest-hf: decode steps run uncaptured ({why}), the one-token forward through "
-                             f"torch.compile ({state.config.compile_backend})")
+            asked = cache.quest_config.compile_step is True  # "auto" compiles unasked: say what the first step costs
+            (logger.info_once if asked else logger.warning_once)(
+                f"quest-hf: decode steps run uncaptured ({why}), the one-token forward through torch.compile "
+                f"({state.config.compile_backend}); the first step of each new batch size or capacity bucket compiles "
+                f"(about 1.5 minutes for a 7B model on an H200); compile_step=False runs the steps eagerly instead")
         else:
             cache.decode_path = f"eager: {why}"
             on_gpu = why != "cuda_graph=False" and next(model.parameters()).is_cuda
@@ -239,9 +242,10 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
 def _compilable(model, state: _PatchState, cfg: QuestConfig) -> bool:
     """Whether an uncaptured decode step of `model` runs compiled whole (quest_hf/compiled.py): `compile_step`, the
     model on one CPU or CUDA device, no tensor parallel, and no earlier failure to compile it."""
+    kinds = {p.device.type for p in model.parameters()}
     devices = {p.device for p in model.parameters()}
     step = state.compiled_step
-    return (cfg.compile_step and len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
+    return (len(devices) == 1 and kinds <= {"cpu", "cuda"} and cfg.compiles_step(next(iter(kinds)))
             and not _distributed() and (step is None or step.failed is None))
 
 

@@ -9,11 +9,13 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   static      HF static cache + generate's automatic compile (CUDA graphs)
   static_defer  the same with transformers' DeferredStopCheck forced on CUDA (it runs only on mps): what a
               one-step-late stop check alone gives HF's dense path
-  quest       patch_model(budget, cuda_graph=False): the same fixed-shape step, run eagerly (Triton kernels;
-              norms, MLPs and rotary through torch.compile, each called eagerly)
-  quest_eager patch_model(budget, cuda_graph=False, compile_decode=False): the same step, nothing compiled
-  quest_step  patch_model(budget, cuda_graph=False, compile_step=True): the whole one-token forward as one
-              torch.compile graph, no CUDA graph (the warm-up call pays the compile)
+  quest       patch_model(budget, cuda_graph=False): the fixed-shape step uncaptured, with the defaults: on CUDA
+              the whole one-token forward compiles as one torch.compile graph (compile_step="auto"; the warm-up
+              call pays the compile), on CPU it runs eagerly
+  quest_uncompiled  the same with compile_step=False: the step run eagerly (Triton kernels; norms, MLPs and rotary
+              through torch.compile, each called eagerly)
+  quest_eager patch_model(budget, cuda_graph=False, compile_step=False, compile_decode=False): nothing compiled
+  quest_step  patch_model(budget, cuda_graph=False, compile_step=True): the compiled step on every device (CPU too)
   quest_graph patch_model(budget, compile_decode=False): the decode step replayed as a CUDA graph, eager norms/MLPs
   quest_graph_c  patch_model(budget): the defaults (captured, norms and MLPs through torch.compile)
   quest_graph_c_sync  the same with defer_stop_check=False (transformers' per-token stop check)
@@ -52,8 +54,8 @@ from quest_hf.bench import MODEL_SHAPES as SHAPES
 from quest_hf.bench import Clock, results_dir, time_calls
 from quest_hf.bench import random_llama as build
 
-METHODS = ("dense", "static", "static_defer", "quest", "quest_eager", "quest_step", "quest_graph", "quest_graph_c",
-           "quest_graph_c_sync")
+METHODS = ("dense", "static", "static_defer", "quest", "quest_uncompiled", "quest_eager", "quest_step", "quest_graph",
+           "quest_graph_c", "quest_graph_c_sync")
 
 
 def measure(model, ids, new_tokens, device, deferred: bool, **kw):
@@ -190,7 +192,8 @@ def main(argv=None):
                     elif method.startswith("quest"):
                         patch_model(model, budget=budget, cuda_graph="auto" if graph else False,
                                     compile_decode=method not in ("quest_graph", "quest_eager"),
-                                    compile_step=method == "quest_step",
+                                    compile_step={"quest_step": True, "quest_uncompiled": False,
+                                                  "quest_eager": False}.get(method, "auto"),
                                     defer_stop_check=method != "quest_graph_c_sync",
                                     policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype")
                     deferred = device.type == "cuda" and (

@@ -99,12 +99,30 @@ def test_hooks_run_inside_the_compiled_op_step_and_sliding_windows_hold():
         assert la == lb and torch.equal(a, b)
 
 
-def test_compile_step_is_a_bool_and_off_by_default():
+def test_compile_step_resolves_auto_in_one_place():
+    """"auto" (the default) compiles uncaptured steps only on CUDA with cuda_graph=False; True and False as asked."""
     from quest_hf import QuestConfig
 
-    assert QuestConfig().compile_step is False
-    with pytest.raises(TypeError, match="compile_step must be True or False"):
-        QuestConfig(compile_step="yes")
+    assert QuestConfig().compile_step == "auto"
+    assert QuestConfig(cuda_graph=False).compiles_step("cuda") is True
+    assert QuestConfig(cuda_graph=False).compiles_step("cpu") is False
+    assert QuestConfig().compiles_step("cuda") is False  # cuda_graph="auto": a refused capture runs eagerly
+    assert QuestConfig(compile_step=True).compiles_step("cpu") is True
+    assert QuestConfig(cuda_graph=False, compile_step=False).compiles_step("cuda") is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="compile_step must be True, False or 'auto'"):
+            QuestConfig(compile_step=bad)
+
+
+def test_cpu_default_runs_the_eager_step():
+    """On CPU the default ("auto") does not compile: the decode path says eager, no CompiledStep is made."""
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=2)
+    ids, mask = left_padded_batch(lengths=(40, 33))
+    patch_model(model, budget=32, page_size=16, dense_layers=1, cuda_graph=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values.decode_path == "eager: cuda_graph=False"
+    assert model._quest_state.compiled_step is None
+    unpatch_model(model)
 
 
 def test_traced_step_reads_a_padding_column_of_its_own():

@@ -79,7 +79,8 @@ def models():
 
 
 def _run(model, ids, cuda_graph, options=None, **kw):
-    patch_model(model, **(options or dict(budget=64, page_size=16)), cuda_graph=cuda_graph)
+    # compile_step=False: with cuda_graph=False the reference is the eager step (by default it would compile)
+    patch_model(model, **(options or dict(budget=64, page_size=16)), cuda_graph=cuda_graph, compile_step=False)
     graph = model._quest_state.graph
     before = graph.captures, graph.replays  # counted over the model's life
     cache = QuestCache.from_model(model, max_length=ids.shape[1] + kw.get("max_new_tokens", 24))
@@ -129,7 +130,7 @@ def test_hand_driven_loop_past_its_capacity_recaptures_and_matches_eager(models)
     ids = torch.randint(2, 1000, (1, 200), device=DEV, generator=torch.Generator(DEV).manual_seed(2))
 
     def loop(cuda_graph, steps=300):
-        patch_model(model, budget=64, cuda_graph=cuda_graph)
+        patch_model(model, budget=64, cuda_graph=cuda_graph, compile_step=False)
         before = model._quest_state.graph.captures
         cache = QuestCache.from_model(model)  # 200 + one growth step (256): grows once inside the loop
         out = model(input_ids=ids, past_key_values=cache)

@@ -36,7 +36,8 @@ def models():
 def _run(model, ids, mode, options=None, **kw):
     """generate() under `mode`: "eager" (cuda_graph=False), "graph" (one captured graph), "segments" (two captured
     segments on one GPU). Returns (output, cache, hook calls, (graphs captured, graphs replayed) in this call)."""
-    patch_model(model, **(options or dict(budget=64, page_size=16)), cuda_graph=False if mode == "eager" else "auto")
+    patch_model(model, **(options or dict(budget=64, page_size=16)), cuda_graph=False if mode == "eager" else "auto",
+                compile_step=False)
     _force_segments(model, (2,) if mode == "segments" else None)
     graph = model._quest_state.graph
     before = graph.captures, graph.replays
@@ -98,7 +99,7 @@ def test_hand_driven_loop_past_its_capacity_recaptures_both_segments(models):
     ids = torch.randint(2, 1000, (1, 200), device=DEV, generator=torch.Generator(DEV).manual_seed(2))
 
     def loop(mode, steps=300):
-        patch_model(model, budget=64, cuda_graph=False if mode == "eager" else "auto")
+        patch_model(model, budget=64, cuda_graph=False if mode == "eager" else "auto", compile_step=False)
         _force_segments(model, (2,) if mode == "segments" else None)
         graph = model._quest_state.graph
         before = graph.captures
