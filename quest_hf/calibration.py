@@ -213,8 +213,9 @@ def measure(model, ids: torch.Tensor, *, budgets=CANDIDATES, queries: int = 32, 
     ids = ids.to(next(model.parameters()).device)
     sel = QuestConfig(budget=budgets[0], page_size=page_size, gqa_mode=gqa_mode, policy=policy, bounds=bounds)
     selector = check_config(sel)  # the measured policy is registered and takes these bounds
+    # Eager steps: the measurement reads every layer through Python hooks at run time (nothing compiled or captured).
     base = QuestConfig(budget=DENSE_BUDGET, page_size=page_size, gqa_mode=gqa_mode, dense=(), cuda_graph=False,
-                       compile_decode=False)
+                       compile_decode=False, compile_step=False)
     meter, hooks = None, []
     out_proj = [getattr(getattr(m, "o_proj", None), "weight", None) for m in families.attention_modules(model)]
     residual = [torch.ones(1)] * num_layers

@@ -51,8 +51,8 @@ class QuestConfig:
             Prefill, CPU and the attention are never compiled. `False`: plain eager modules.
         compile_backend: the `torch.compile` backend of `compile_decode` and `compile_step` (default `"inductor"`;
             `"eager"` or `"aot_eager"` to debug the wrapping without code generation).
-        compile_step: `"auto"` (default): on CUDA with `cuda_graph=False` the decode step compiles whole (below);
-            elsewhere it does not (CPU steps, and CUDA steps whose capture was refused, run eagerly). `True`: every
+        compile_step: `"auto"` (default): on CUDA with `cuda_graph=False` and no offload the decode step compiles
+            whole (below); elsewhere it does not (CPU steps, and CUDA steps whose capture was refused, run eagerly). `True`: every
             decode step that is not captured (CPU, `cuda_graph=False`, a refused capture) compiles whole. `False`:
             uncaptured steps run eagerly. A compiled step is the model's whole one-token forward as one
             `torch.compile(fullgraph=True)` graph, no CUDA graph (quest_hf/compiled.py): HF's layers become a few
@@ -63,8 +63,9 @@ class QuestConfig:
             capacity; with `cuda_graph=False` or on CPU the capacity is rounded up to an eighth of an octave so that
             prompts of similar lengths share one compile (at most 12.5% more K/V slots than needed). A compile error
             is logged and the steps run eagerly (`cache.decode_path` says which path ran). H200, Llama-2-7B shape,
-            32K, `generate()` with `cuda_graph=False`: 15.04 ms/token compiled vs HF DynamicCache's 29.19 (1.94x),
-            the eager step 38.39 vs 27.01 in another call (benchmarks/e2e/run13, run12).
+            32K, `generate()` with `cuda_graph=False`: 12.91 ms/token compiled vs HF DynamicCache's 21.16 (1.64x;
+            the eager step: 0.70x), peak 34.7 GiB vs HF static's 31.6 (the bucket's slots); fp16 greedy tokens
+            part from the eager step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
@@ -266,8 +267,8 @@ class QuestConfig:
     def compiles_step(self, device_type: str) -> bool:
         """Whether a decode step on a `device_type` device that is not captured runs compiled whole (`compile_step`:
         the one place "auto" is resolved)."""
-        if self.compile_step == "auto":
-            return device_type == "cuda" and self.cuda_graph is False
+        if self.compile_step == "auto":  # offload's host reads stay eager unless asked (not timed compiled)
+            return device_type == "cuda" and self.cuda_graph is False and self.offload is None
         return self.compile_step
 
     def is_dense(self, layer_idx: int) -> bool:

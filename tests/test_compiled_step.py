@@ -109,6 +109,7 @@ def test_compile_step_resolves_auto_in_one_place():
     assert QuestConfig().compiles_step("cuda") is False  # cuda_graph="auto": a refused capture runs eagerly
     assert QuestConfig(compile_step=True).compiles_step("cpu") is True
     assert QuestConfig(cuda_graph=False, compile_step=False).compiles_step("cuda") is False
+    assert QuestConfig(cuda_graph=False, offload="cpu").compiles_step("cuda") is False
     for bad in ("yes", 1, None):
         with pytest.raises(TypeError, match="compile_step must be True, False or 'auto'"):
             QuestConfig(compile_step=bad)

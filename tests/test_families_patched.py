@@ -222,7 +222,8 @@ def test_captured_step_gives_the_eager_tokens(family, overrides):
     ids, mask = (t.cuda() for t in left_padded(lengths=LENGTHS))
     want = _generate(model, ids, mask).sequences
     for budget in (8, 64):
-        with patched(model, budget=budget, page_size=4, dense_layers=0, cuda_graph=False, compile_decode=False):
+        with patched(model, budget=budget, page_size=4, dense_layers=0, cuda_graph=False, compile_decode=False,
+                     compile_step=False):
             eager = _generate(model, ids, mask).sequences
         with patched(model, budget=budget, page_size=4, dense_layers=0, cuda_graph=True, compile_decode=False):
             out = _generate(model, ids, mask)
