@@ -51,21 +51,21 @@ class QuestConfig:
             Prefill, CPU and the attention are never compiled. `False`: plain eager modules.
         compile_backend: the `torch.compile` backend of `compile_decode` and `compile_step` (default `"inductor"`;
             `"eager"` or `"aot_eager"` to debug the wrapping without code generation).
-        compile_step: `"auto"` (default): on CUDA with `cuda_graph=False` and no offload the decode step compiles
-            whole (below); elsewhere it does not (CPU steps, and CUDA steps whose capture was refused, run eagerly). `True`: every
-            decode step that is not captured (CPU, `cuda_graph=False`, a refused capture) compiles whole. `False`:
+        compile_step: `"auto"` (default): on CUDA with `cuda_graph=False` and no offload the decode step compiles whole
+            (below); elsewhere it does not (CPU steps, and CUDA steps whose capture was refused, run eagerly). `True`:
+            every decode step that is not captured (CPU, `cuda_graph=False`, a refused capture) compiles whole. `False`:
             uncaptured steps run eagerly. A compiled step is the model's whole one-token forward as one
-            `torch.compile(fullgraph=True)` graph, no CUDA graph (quest_hf/compiled.py): HF's layers become a few
-            fused kernels with no Python between them. Quest's part of each layer is traced into the graph where the
-            step is plain device work (policy quest, no selection hooks, no offload, no selection reuse;
+            `torch.compile(fullgraph=True)` graph, no CUDA graph (quest_hf/compiled.py): HF's layers become a few fused
+            kernels with no Python between them. Quest's part of each layer is traced into the graph where the step is
+            plain device work (policy quest, no selection hooks, no offload, no selection reuse;
             `compiled_step.traced_calls`), else called from it as one op a layer. The first step compiles (H200,
             Llama-2-7B shape: ~1.5 min; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size or
             capacity; with `cuda_graph=False` or on CPU the capacity is rounded up to an eighth of an octave so that
-            prompts of similar lengths share one compile (at most 12.5% more K/V slots than needed). A compile error
-            is logged and the steps run eagerly (`cache.decode_path` says which path ran). H200, Llama-2-7B shape,
-            32K, `generate()` with `cuda_graph=False`: 12.91 ms/token compiled vs HF DynamicCache's 21.16 (1.64x;
-            the eager step: 0.70x), peak 34.7 GiB vs HF static's 31.6 (the bucket's slots); fp16 greedy tokens
-            part from the eager step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
+            prompts of similar lengths share one compile (at most 12.5% more K/V slots than needed). A compile error is
+            logged and the steps run eagerly (`cache.decode_path` says which path ran). H200, Llama-2-7B shape, 32K,
+            `generate()` with `cuda_graph=False`: 12.91 ms/token compiled vs HF DynamicCache's 21.16 (1.64x; the eager
+            step: 0.70x), peak 34.7 GiB vs HF static's 31.6 (the bucket's slots); fp16 greedy tokens part from the eager
+            step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
