@@ -139,6 +139,33 @@ def copy_bandwidth(device="cuda", nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (t * 1e-6)
 
 
+def decode_floor_bytes(model, length: int, batch: int = 1, config=None) -> float:
+    """Bytes one decode step of `model` must read at the least, at `length` tokens of context and `batch` sequences:
+    every weight once (the input embedding's one row aside, unless tied to the head) plus the K/V the step attends,
+    for `config=None` (dense) every layer's K/V, else what a QuestConfig reads (`model_step_bytes`: dense layers' K/V,
+    sparse layers' page metadata and `budget` tokens of K and V per KV head, the fewest a GQA union can read). A
+    sliding window caps the context read. Its time at the copy bandwidth is the step's byte floor (`bench_e2e.py`)."""
+    from .eval.accounting import model_step_bytes
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+    cfg = model.config.get_text_config()
+    n, kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    group = cfg.num_attention_heads // kv
+    elt = next(model.parameters()).element_size()
+    L = min(length, getattr(cfg, "sliding_window", None) or length)
+    if config is None:
+        kv_bytes = n * L * kv * 2 * D * elt
+    else:
+        S = config.page_size
+        least = [kv * min(-(-L // S), config.layer_budget(i) // S) for i in range(n)]  # the group agrees
+        kv_bytes = model_step_bytes(config, n, L, kv, D, elt, group, pages_read=least)
+    return weights + batch * kv_bytes
+
+
 def wall_time_us(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5) -> float:
     """Median wall-clock microseconds of `fn()`: only for CPU smoke runs (`--tiny`) of the GPU benchmarks."""
     for _ in range(warmup):

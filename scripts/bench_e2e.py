@@ -26,6 +26,9 @@ A quest method may name another policy, page size and bounds: `quest_graph_c:qco
 `--calibrated FILE` adds one captured row (the defaults otherwise) per config of a `scripts/calibrate.py` result:
 per-layer budgets and dense layers as calibrated, named `calibrated:<file stem>=<budget>`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
+On CUDA each row also gives its byte floor: the least bytes its decode step reads (`quest_hf.bench.decode_floor_bytes`:
+the weights once, plus the K/V the path attends: all of it for HF, dense layers + page metadata + `budget` tokens per
+KV head for Quest) at the copy bandwidth measured at the start of the run (`copy_gb_s`), and the step's fraction of it.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
     python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
@@ -51,7 +54,7 @@ import transformers
 
 from quest_hf import patch_model, unpatch_model
 from quest_hf.bench import MODEL_SHAPES as SHAPES
-from quest_hf.bench import Clock, results_dir, time_calls
+from quest_hf.bench import Clock, copy_bandwidth, decode_floor_bytes, results_dir, time_calls
 from quest_hf.bench import random_llama as build
 
 METHODS = ("dense", "static", "static_defer", "quest", "quest_uncompiled", "quest_eager", "quest_step", "quest_graph",
@@ -164,6 +167,8 @@ def main(argv=None):
         if policy and not base.startswith("quest"):
             p.error(f"{m!r}: only quest methods take a policy")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    # The byte floor of each row: its decode step's least bytes (decode_floor_bytes) at this run's copy bandwidth.
+    args.bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     rows = []
     for shape in args.shapes:
         model = build(shape, dtype, device, max(args.lengths) + args.new_tokens)
@@ -239,6 +244,10 @@ def main(argv=None):
                         row["compiled_calls"] = sum(m._quest_compiled_calls for m in compiled.modules)
                         row["compiled_rotary_calls"] = compiled.rotary_calls
                         row["compile_failed"] = sorted(compiled.failed)
+                    quest_cfg = config if config is not None else (
+                        model._quest_state.config if method.startswith("quest") else None)
+                    row["floor_bytes"] = decode_floor_bytes(model, L, B * args.beams, quest_cfg)
+                    row["floor_ms"] = row["floor_bytes"] / args.bandwidth * 1e3 if args.bandwidth else None
                     rows.append(row)
                     if method.startswith("quest"):
                         unpatch_model(model)
@@ -280,8 +289,8 @@ def write(args, rows) -> str:
         if r["method"] in ("dense", "static") and r["step_ms"] == r["step_ms"]:  # HF as shipped
             k = (r["shape"], r["length"], r["batch"])
             best_dense[k] = min(best_dense.get(k, float("inf")), r["step_ms"])
-    lines = ["| shape | L | B | method | budget | prefill s | ms/token | mean ms | tok/s | x fastest dense HF | peak GiB | tokens = quest | GPU ms/step (replay) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | L | B | method | budget | prefill s | ms/token | mean ms | tok/s | x fastest dense HF | peak GiB | tokens = quest | GPU ms/step (replay) | byte floor ms | of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = best_dense.get((r["shape"], r["length"], r["batch"]))
         ratio = ref / r["step_ms"] if ref and r["step_ms"] == r["step_ms"] else float("nan")
@@ -289,13 +298,15 @@ def write(args, rows) -> str:
                      f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {r.get('step_mean_ms', float('nan')):.2f} | "
                      f"{r['tokens_per_s']:.1f} | {ratio:.2f} | "
                      f"{r['peak_gib']:.1f} | {'' if r['same_as_quest'] is None else r['same_as_quest']} | "
-                     f"{'' if r['graph_replay_ms'] is None else format(r['graph_replay_ms'], '.2f')} |"
+                     f"{'' if r['graph_replay_ms'] is None else format(r['graph_replay_ms'], '.2f')} | "
+                     + (f"{r['floor_ms']:.2f} | {r['floor_ms'] / r['step_ms']:.0%} |" if r.get("floor_ms") else " | |")
                      + (f" {r['error']}" if r["error"] else ""))
     md = "\n".join(lines)
     meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, transformers=transformers.__version__, dtype=args.dtype,
-                new_tokens=args.new_tokens)
+                new_tokens=args.new_tokens,
+                copy_gb_s=None if args.bandwidth is None else round(args.bandwidth / 1e9, 1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
