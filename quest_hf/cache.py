@@ -51,6 +51,10 @@ class _Step:
     def __init__(self):
         self.valid_new: torch.Tensor | None = None
         self.pinned: torch.Tensor | None = None  # a captured step's own [B, 1] input buffer (quest_hf.graph)
+        # Whether the layers round their capacity up to a compile bucket (quest_hf.compiled.bucket): set by the patch,
+        # which knows whether the model's uncaptured step compiles (one device, no tensor parallel); None: decided
+        # from the config and the layer's device alone.
+        self.bucket: bool | None = None
         self._moved: dict[torch.device, torch.Tensor] = {}
 
     def set(self, valid_new: torch.Tensor | None):
@@ -181,8 +185,10 @@ class QuestLayer(CacheLayerMixin):
         """Move to buffers of `tokens` slots (rounded up to pages) plus the spare page, keeping what is stored."""
         self._materialize()
         S = self.page_size
-        kind = self.device.type
-        if self.config.compiles_step(kind) and (kind != "cuda" or self.config.cuda_graph is False):
+        kind, bucketed = self.device.type, self._step.bucket
+        if bucketed is None:
+            bucketed = self.config.compiles_step(kind) and (kind != "cuda" or self.config.cuda_graph is False)
+        if bucketed:
             tokens = bucket(tokens)  # a compiled step compiles once per capacity (quest_hf/compiled.py); not captured
         cap = -(-tokens // S) * S + S
         B, H, D, Dv = self._shape
@@ -528,7 +534,9 @@ class QuestCache(Cache):
         if state is None:
             raise ValueError("the model is not patched: call quest_hf.patch_model(model, ...) first, "
                              "or build QuestCache(QuestConfig(...), num_layers)")
-        return cls(state.config, state.num_layers, max_length)
+        from .patch import mark_bucket
+
+        return mark_bucket(model, state, cls(state.config, state.num_layers, max_length))
 
     def copy(self, config: QuestConfig | None = None) -> QuestCache:
         """An independent copy (tensors included), optionally under another config with the same page_size:

@@ -136,7 +136,7 @@ def _before_forward(decoder, args, kwargs):
         use_cache = bound.get("use_cache")
         use_cache = decoder.config.use_cache if use_cache is None else use_cache
         if use_cache and not decoder.training:
-            cache = QuestCache(state.config, state.num_layers)
+            cache = mark_bucket(decoder, state, QuestCache(state.config, state.num_layers))
             kwargs[state.cache_arg] = cache
     elif not isinstance(cache, QuestCache):
         raise TypeError(
@@ -247,6 +247,16 @@ def _compilable(model, state: _PatchState, cfg: QuestConfig) -> bool:
     step = state.compiled_step
     return (len(devices) == 1 and kinds <= {"cpu", "cuda"} and cfg.compiles_step(next(iter(kinds)))
             and not _distributed() and (step is None or step.failed is None))
+
+
+def mark_bucket(model, state: _PatchState, cache: QuestCache) -> QuestCache:
+    """Tell `cache`'s layers whether to round their capacity up to a compile bucket: only where this model's
+    uncaptured step compiles whole (`_compilable`) and is not captured (CPU, or `cuda_graph=False`), so that an
+    eager step (several devices, tensor parallel, compile_step off) allocates no more than it needs."""
+    kinds = {p.device.type for p in model.parameters()}
+    cfg = cache.quest_config
+    cache._step.bucket = _compilable(model, state, cfg) and (kinds != {"cuda"} or cfg.cuda_graph is False)
+    return cache
 
 
 def _compiled_decode(model, state: _PatchState, original, cache: QuestCache, ids, kwargs: dict):
@@ -444,7 +454,7 @@ def _generate(method: Method, *args, **kwargs):
         cache.reused = True
     else:
         del kept
-        cache = QuestCache(config, state.num_layers, length)
+        cache = mark_bucket(model, state, QuestCache(config, state.num_layers, length))
     kwargs[state.cache_arg] = cache
     out = original(*args, **kwargs)
     returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))

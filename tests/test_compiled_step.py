@@ -123,6 +123,22 @@ def test_cpu_default_runs_the_eager_step():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     assert out.past_key_values.decode_path == "eager: cuda_graph=False"
     assert model._quest_state.compiled_step is None
+    assert out.past_key_values.layers[0].capacity < 1024  # an eager step's cache is not rounded to a compile bucket
+    unpatch_model(model)
+
+
+def test_only_a_compiling_model_rounds_its_caches_capacity():
+    """The bucket follows whether this model's uncaptured step compiles: after a failed compile (or on several
+    devices, tensor parallel) the cache allocates what it needs."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=2)
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)
+    assert QuestCache.from_model(model)._step.bucket is True
+    model._quest_state.compiled_step = SimpleNamespace(failed="an earlier compile error", backend="inductor")
+    assert QuestCache.from_model(model)._step.bucket is False
+    patch_model(model, budget=32, page_size=16, dense_layers=1)  # "auto" on CPU: eager
+    assert QuestCache.from_model(model)._step.bucket is False
     unpatch_model(model)
 
 
