@@ -108,6 +108,9 @@ class _PatchState:
     segments: _SegmentSplit | None = None  # tests and benchmarks only: set by `_force_segments`
     # The uncaptured decode step compiled whole (quest_hf/compiled.py), made by the first step that runs it.
     compiled_step: CompiledStep | None = None
+    # The decode path of the last cache that decoded ("captured", "compiled, uncaptured: ...", "eager: ..."): what
+    # ran, also where generate() did not return its cache.
+    decode_path: str | None = None
 
 
     def __getstate__(self):
@@ -480,32 +483,41 @@ def _forward(method: Method, *args, **kwargs):
     ids = kwargs.get("input_ids", args[0] if args else None)
     if (isinstance(cache, QuestCache) and ids is not None and ids.dim() == 2 and ids.shape[1] == 1
             and cache.get_seq_length() > 0 and kwargs.get("inputs_embeds") is None):
-        path = _decode_path(model, state, cache)
-        extra = sorted(set(kwargs) - _STEP_TENSORS - _STEP_CONSTANTS) + (["positional arguments"] if args[1:] else [])
-        if path.startswith("eager"):
-            return original(*args, **kwargs)
-        if path.startswith("compiled"):
-            out = _compiled_decode(model, state, original, cache, ids, kwargs) if not extra else None
-            if extra:
-                cache.decode_path = f"eager: the compiled step does not take {', '.join(extra)}"
-                logger.warning_once(f"quest-hf: decode steps run eagerly: the compiled step does not take "
-                                    f"{', '.join(extra)}")
-            return out if out is not None else original(*args, **kwargs)
-        graph = _step_graph(model, state, path)
-        if isinstance(graph, SegmentGraph) and getattr(model.config, "output_hidden_states", False):
-            extra.append("output_hidden_states (config)")  # the layers inside a segment hand on their input
-        if not extra and isinstance(graph, SegmentGraph):
-            out = graph.step(lambda: original(*args, **kwargs), cache, ids)
-            if graph.refusal is not None:
-                _refuse_segments(model, cache, graph.refusal)
-            return out
-        if not extra:
-            fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
-            return graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
-                              kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
-        cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
-        logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
-                            f"{', '.join(extra)}")
+        try:
+            return _decode_step(model, state, original, cache, ids, args, kwargs)
+        finally:
+            state.decode_path = cache.decode_path  # what ran, also when generate() keeps the cache to itself
+    return original(*args, **kwargs)
+
+
+def _decode_step(model, state: _PatchState, original, cache: QuestCache, ids, args, kwargs):
+    """One decode step over `cache` on the path `_decode_path` resolved: eager, compiled whole, or captured."""
+    path = _decode_path(model, state, cache)
+    extra = sorted(set(kwargs) - _STEP_TENSORS - _STEP_CONSTANTS) + (["positional arguments"] if args[1:] else [])
+    if path.startswith("eager"):
+        return original(*args, **kwargs)
+    if path.startswith("compiled"):
+        out = _compiled_decode(model, state, original, cache, ids, kwargs) if not extra else None
+        if extra:
+            cache.decode_path = f"eager: the compiled step does not take {', '.join(extra)}"
+            logger.warning_once(f"quest-hf: decode steps run eagerly: the compiled step does not take "
+                                f"{', '.join(extra)}")
+        return out if out is not None else original(*args, **kwargs)
+    graph = _step_graph(model, state, path)
+    if isinstance(graph, SegmentGraph) and getattr(model.config, "output_hidden_states", False):
+        extra.append("output_hidden_states (config)")  # the layers inside a segment hand on their input
+    if not extra and isinstance(graph, SegmentGraph):
+        out = graph.step(lambda: original(*args, **kwargs), cache, ids)
+        if graph.refusal is not None:
+            _refuse_segments(model, cache, graph.refusal)
+        return out
+    if not extra:
+        fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
+        return graph.step(original, lambda: original(*args, **kwargs), cache, state.cache_arg, ids,
+                          kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+    cache.decode_path = f"eager: the captured step does not take {', '.join(extra)}"
+    logger.warning_once(f"quest-hf: decode steps run uncaptured: the captured step does not take "
+                        f"{', '.join(extra)}")
     return original(*args, **kwargs)
 
 

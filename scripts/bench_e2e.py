@@ -226,7 +226,7 @@ def main(argv=None):
                             first_diff = int((out != ref).any(0).nonzero()[0])
                     if method.startswith("quest") and out is not None:
                         # no local name for the kept cache: it would stay alive into the next row's peak memory
-                        decode_path = getattr(model._quest_state.kept, "decode_path", None)
+                        decode_path = model._quest_state.decode_path
                     else:
                         decode_path = None
                     row = dict(shape=shape, length=L, batch=B, beams=args.beams, method=full, budget=budget,

@@ -121,7 +121,7 @@ def test_cpu_default_runs_the_eager_step():
     ids, mask = left_padded_batch(lengths=(40, 33))
     patch_model(model, budget=32, page_size=16, dense_layers=1, cuda_graph=False)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-    assert out.past_key_values.decode_path == "eager: cuda_graph=False"
+    assert out.past_key_values.decode_path == model._quest_state.decode_path == "eager: cuda_graph=False"
     assert model._quest_state.compiled_step is None
     assert out.past_key_values.layers[0].capacity < 1024  # an eager step's cache is not rounded to a compile bucket
     unpatch_model(model)
