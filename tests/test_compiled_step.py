@@ -35,7 +35,7 @@ def test_traced_step_gives_the_eager_tokens_and_reuses_its_graph():
     out = _generate(model, *prompts[0], return_dict_in_generate=True)
     assert torch.equal(out.sequences, eager[0])
     cache = out.past_key_values
-    assert cache.decode_path.startswith("compiled, uncaptured: ")
+    assert cache.decode_path.startswith("compiled, uncaptured: ") and model._quest_state.decode_path == cache.decode_path
     assert cache.layers[0].capacity == 1024 + 16  # the bucket, plus the spare page
     step = model._quest_state.compiled_step
     assert step.failed is None and step.calls == step.traced_calls == NEW - 1
