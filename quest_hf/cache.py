@@ -534,9 +534,7 @@ class QuestCache(Cache):
         if state is None:
             raise ValueError("the model is not patched: call quest_hf.patch_model(model, ...) first, "
                              "or build QuestCache(QuestConfig(...), num_layers)")
-        from .patch import mark_bucket
-
-        return mark_bucket(model, state, cls(state.config, state.num_layers, max_length))
+        return state.mark_bucket(model, cls(state.config, state.num_layers, max_length))
 
     def copy(self, config: QuestConfig | None = None) -> QuestCache:
         """An independent copy (tensors included), optionally under another config with the same page_size:

@@ -116,6 +116,10 @@ class _PatchState:
     def __getstate__(self):
         return dict(vars(self), cache=None, tokens=[], kept=None, graph=DecodeGraph(), compiled_step=None)
 
+    def mark_bucket(self, model, cache: QuestCache) -> QuestCache:
+        """`mark_bucket` for this patched model (what QuestCache.from_model calls)."""
+        return mark_bucket(model, self, cache)
+
     @property
     def compiled_modules(self) -> list:
         """The norms/MLPs given a decode-only compiled forward (empty without compile_decode)."""
