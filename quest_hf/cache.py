@@ -53,7 +53,7 @@ class _Step:
         self.pinned: torch.Tensor | None = None  # a captured step's own [B, 1] input buffer (quest_hf.graph)
         # Whether the layers round their capacity up to a compile bucket (quest_hf.compiled.bucket): set by the patch,
         # which knows whether the model's uncaptured step compiles (one device, no tensor parallel); None: decided
-        # from the config and the layer's device alone.
+        # from the config and the layer's device alone (QuestConfig.buckets_capacity).
         self.bucket: bool | None = None
         self._moved: dict[torch.device, torch.Tensor] = {}
 
@@ -185,9 +185,9 @@ class QuestLayer(CacheLayerMixin):
         """Move to buffers of `tokens` slots (rounded up to pages) plus the spare page, keeping what is stored."""
         self._materialize()
         S = self.page_size
-        kind, bucketed = self.device.type, self._step.bucket
+        bucketed = self._step.bucket
         if bucketed is None:
-            bucketed = self.config.compiles_step(kind) and (kind != "cuda" or self.config.cuda_graph is False)
+            bucketed = self.config.buckets_capacity(self.device.type)
         if bucketed:
             tokens = bucket(tokens)  # a compiled step compiles once per capacity (quest_hf/compiled.py); not captured
         cap = -(-tokens // S) * S + S

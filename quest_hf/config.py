@@ -271,6 +271,12 @@ class QuestConfig:
             return device_type == "cuda" and self.cuda_graph is False and self.offload is None
         return self.compile_step
 
+    def buckets_capacity(self, device_type: str) -> bool:
+        """Whether a cache on a `device_type` device rounds its capacity up to a compile bucket
+        (quest_hf.compiled.bucket): where its uncaptured step compiles and a step is not captured (CPU, or CUDA with
+        `cuda_graph=False`; a captured step never compiles). The patch narrows it to models that compile."""
+        return self.compiles_step(device_type) and (device_type != "cuda" or self.cuda_graph is False)
+
     def is_dense(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` decodes dense: listed in `dense`, else one of the first `dense_layers`."""
         return layer_idx in self.dense if self.dense is not None else layer_idx < self.dense_layers

@@ -117,8 +117,12 @@ class _PatchState:
         return dict(vars(self), cache=None, tokens=[], kept=None, graph=DecodeGraph(), compiled_step=None)
 
     def mark_bucket(self, model, cache: QuestCache) -> QuestCache:
-        """`mark_bucket` for this patched model (what QuestCache.from_model calls)."""
-        return mark_bucket(model, self, cache)
+        """Tell `cache`'s layers whether to round their capacity up to a compile bucket: only where this model's
+        uncaptured step compiles whole (`_compilable`) and is not captured, so that an eager step (several devices,
+        tensor parallel, a failed compile) allocates no more than it needs."""
+        kind = next(model.parameters()).device.type
+        cache._step.bucket = _compilable(model, self, cache.quest_config) and cache.quest_config.buckets_capacity(kind)
+        return cache
 
     @property
     def compiled_modules(self) -> list:
@@ -143,7 +147,7 @@ def _before_forward(decoder, args, kwargs):
         use_cache = bound.get("use_cache")
         use_cache = decoder.config.use_cache if use_cache is None else use_cache
         if use_cache and not decoder.training:
-            cache = mark_bucket(decoder, state, QuestCache(state.config, state.num_layers))
+            cache = state.mark_bucket(decoder, QuestCache(state.config, state.num_layers))
             kwargs[state.cache_arg] = cache
     elif not isinstance(cache, QuestCache):
         raise TypeError(
@@ -249,21 +253,11 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
 def _compilable(model, state: _PatchState, cfg: QuestConfig) -> bool:
     """Whether an uncaptured decode step of `model` runs compiled whole (quest_hf/compiled.py): `compile_step`, the
     model on one CPU or CUDA device, no tensor parallel, and no earlier failure to compile it."""
-    kinds = {p.device.type for p in model.parameters()}
     devices = {p.device for p in model.parameters()}
+    kind = next(iter(devices)).type
     step = state.compiled_step
-    return (len(devices) == 1 and kinds <= {"cpu", "cuda"} and cfg.compiles_step(next(iter(kinds)))
+    return (len(devices) == 1 and kind in ("cpu", "cuda") and cfg.compiles_step(kind)
             and not _distributed() and (step is None or step.failed is None))
-
-
-def mark_bucket(model, state: _PatchState, cache: QuestCache) -> QuestCache:
-    """Tell `cache`'s layers whether to round their capacity up to a compile bucket: only where this model's
-    uncaptured step compiles whole (`_compilable`) and is not captured (CPU, or `cuda_graph=False`), so that an
-    eager step (several devices, tensor parallel, compile_step off) allocates no more than it needs."""
-    kinds = {p.device.type for p in model.parameters()}
-    cfg = cache.quest_config
-    cache._step.bucket = _compilable(model, state, cfg) and (kinds != {"cuda"} or cfg.cuda_graph is False)
-    return cache
 
 
 def _compiled_decode(model, state: _PatchState, original, cache: QuestCache, ids, kwargs: dict):
@@ -461,7 +455,7 @@ def _generate(method: Method, *args, **kwargs):
         cache.reused = True
     else:
         del kept
-        cache = mark_bucket(model, state, QuestCache(config, state.num_layers, length))
+        cache = state.mark_bucket(model, QuestCache(config, state.num_layers, length))
     kwargs[state.cache_arg] = cache
     out = original(*args, **kwargs)
     returned = kwargs.get("return_dict_in_generate", getattr(gen_cfg, "return_dict_in_generate", False))
