@@ -15,11 +15,17 @@ of two ways:
 
 The compiled forward sees no cache (`use_cache=False`, no mask): the attention of layer `i` receives the new
 token's key/value from HF's code and appends them to `cache.layers[i]` of the step in flight (`_ACTIVE`); the
-padding comes from the cache's valid slots, as in every decode step. Shapes are static (inductor's code for
-dynamic ones ran 3.4x slower on CPU: SmolLM2 at 4K 159 vs 46 ms a step), so a cache of another capacity or batch
-compiles again; to keep that rare a compile_step cache rounds its capacity up to an eighth of an octave
-(`bucket`, at least 1024 tokens; at most 12.5% more slots), and dynamo compiles at most `recompile_limit` (8)
-shapes of the step in a process, after which it runs the step uncompiled and says so in its own warning.
+padding comes from the cache's valid slots, as in every decode step. The batch and every model shape are
+static; the capacity is one of two kinds (`QuestConfig.compile_capacity`):
+- bucket (default): shapes are static and the capacity is rounded up to an eighth of an octave (`bucket`, at least
+  1024 tokens; at most 12.5% more slots) so that prompts of similar lengths share a compile;
+- exact: the cache allocates what the sequence needs, as HF's static cache does, and the traced graph sees its
+  capacity as a symbolic size (`mark_capacity_symbolic`): the launchers' choices from it are range guards
+  (`triton_kernels._common.next_pow2` compares, never specializes), so one graph serves every capacity until the
+  page count crosses a power of two (a Top-K tile) or the budget. Its step ran slower (inductor's code for a
+  symbolic size: CPU, a tiny Llama at 2K, 4.3 vs 2.3 ms; H200 figures in QuestConfig's docstring).
+Dynamo compiles at most `recompile_limit` (8) shapes of the step in a process, after which it runs the step
+uncompiled and says so in its own warning.
 
 What happened is visible: `cache.decode_path` ("compiled, uncaptured: <why no graph>", or "eager: <why>" with the
 compile error when compiling failed), and `calls` / `traced_calls` / `failed` on `model._quest_state.compiled_step`.
@@ -69,6 +75,25 @@ def bucket(tokens: int) -> int:
     return -(-n // step) * step
 
 
+def capacity_tensors(layer):
+    """(tensor, dim) of every buffer of `layer` that a traced step reads whose size `dim` follows the capacity (slots
+    or pages)."""
+    found = [(layer.keys, 2), (layer.values, 2), (layer.kmin, 2), (layer.kmax, 2), (layer.valid, 1),
+             (layer.valid_u8, 1), (layer.rows, 1), (layer._dense_ids, 2),
+             (layer.kmin8, 2), (layer.kmax8, 2), (layer.kscale, 2)]
+    found += [(t, 2) for t in layer.side.values()]
+    return [(t, dim) for t, dim in found if t is not None]
+
+
+def mark_capacity_symbolic(cache) -> None:
+    """Let the traced graph take the capacity of `cache`'s layers as a symbolic size (exact capacity: no recompile
+    for another prompt length). `maybe_mark_dynamic`: where a choice does pin the size (a capacity below the
+    budget: dense attention), dynamo specializes instead of raising."""
+    for layer in cache.layers:
+        for t, dim in capacity_tensors(layer):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
 def active_cache():
     """The QuestCache of the compiled step in flight (what `quest_hf::decode_attention` appends to)."""
     return _ACTIVE[-1]
@@ -104,6 +129,8 @@ class CompiledStep:
             cache._step.for_graph()  # the padding column as the append kernel reads it, in a tensor of its own
             for layer in cache.layers:  # likewise the valid slots, where the Triton kernels run
                 layer.valid_u8 = layer.valid.view(torch.uint8) if layer.ops.name == "triton" else None
+            if cache.quest_config.exact_capacity(cache.layers[0].device.type):
+                mark_capacity_symbolic(cache)
         global _depth, _traced
         _ACTIVE.append(cache)
         _depth += 1

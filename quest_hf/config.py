@@ -59,13 +59,21 @@ class QuestConfig:
             kernels with no Python between them. Quest's part of each layer is traced into the graph where the step is
             plain device work (policy quest, no selection hooks, no offload, no selection reuse;
             `compiled_step.traced_calls`), else called from it as one op a layer. The first step compiles (H200,
-            Llama-2-7B shape: ~1.5 min; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size or
-            capacity; with `cuda_graph=False` or on CPU the capacity is rounded up to an eighth of an octave so that
-            prompts of similar lengths share one compile (at most 12.5% more K/V slots than needed). A compile error is
-            logged and the steps run eagerly (`cache.decode_path` says which path ran). H200, Llama-2-7B shape, 32K,
-            `generate()` with `cuda_graph=False`: 12.91 ms/token compiled vs HF DynamicCache's 21.16 (1.64x; the eager
-            step: 0.70x), peak 34.7 GiB vs HF static's 31.6 (the bucket's slots); fp16 greedy tokens part from the eager
-            step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
+            Llama-2-7B shape: ~1.5 min; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size and as
+            `compile_capacity` says for a new capacity. A compile error is logged and the steps run eagerly
+            (`cache.decode_path` says which path ran). H200, Llama-2-7B shape, 32K, `generate()` with
+            `cuda_graph=False`: 12.91 ms/token compiled vs HF DynamicCache's 21.16 (1.64x; the eager step: 0.70x);
+            fp16 greedy tokens part from the eager step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
+        compile_capacity: how a compiled step (`compile_step`) meets caches of other capacities. `"bucket"` (default):
+            static shapes, the capacity rounded up to an eighth of an octave (at most 12.5% more K/V slots) so that
+            prompts of similar lengths share one compile. `"exact"`: the cache allocates what the sequence needs (as
+            HF's static cache does) and the graph takes its capacity as a symbolic size, so a prompt of another length
+            compiles nothing new unless its page count crosses a power of two (the Top-K tile) or the budget. Measured
+            (benchmarks/e2e/run14): H200, Llama-2-7B shape, 32K: exact peaks at 32.6 GiB (HF static's 31.6 + the page
+            bounds) against the bucket's 34.7, but its step is slower: 6 layers 3.80 vs 3.64 ms in one run, the whole
+            model 24.0 ms in bench_e2e (after an HF static row) against the bucket's 12.91 in run 13, not yet
+            compared in one run; on CPU a tiny Llama at 2K 4.3 vs 2.3 ms. A captured or eager step's capacity is always
+            exact.
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
@@ -140,6 +148,7 @@ class QuestConfig:
     defer_stop_check: bool = True
     compile_backend: str = "inductor"
     compile_step: bool | str = "auto"
+    compile_capacity: str = "bucket"
     fuse_projections: bool = False
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
@@ -189,6 +198,8 @@ class QuestConfig:
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
         if not (isinstance(self.compile_step, bool) or self.compile_step == "auto"):
             raise TypeError(f"compile_step must be True, False or 'auto', got {self.compile_step!r}")
+        if self.compile_capacity not in ("bucket", "exact"):
+            raise ValueError(f"compile_capacity must be 'bucket' or 'exact', got {self.compile_capacity!r}")
         for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -271,11 +282,18 @@ class QuestConfig:
             return device_type == "cuda" and self.cuda_graph is False and self.offload is None
         return self.compile_step
 
+    def exact_capacity(self, device_type: str) -> bool:
+        """Whether a compiled step on a `device_type` device sees the capacity as a symbolic size and the cache
+        allocates exactly what it needs (`compile_capacity="exact"`), rather than a static capacity bucket."""
+        return self.compile_capacity == "exact"
+
     def buckets_capacity(self, device_type: str) -> bool:
         """Whether a cache on a `device_type` device rounds its capacity up to a compile bucket
-        (quest_hf.compiled.bucket): where its uncaptured step compiles and a step is not captured (CPU, or CUDA with
-        `cuda_graph=False`; a captured step never compiles). The patch narrows it to models that compile."""
-        return self.compiles_step(device_type) and (device_type != "cuda" or self.cuda_graph is False)
+        (quest_hf.compiled.bucket): where its uncaptured step compiles with a static capacity (`exact_capacity`
+        False) and a step is not captured (CPU, or CUDA with `cuda_graph=False`; a captured step never compiles).
+        The patch narrows it to models that compile."""
+        return (self.compiles_step(device_type) and not self.exact_capacity(device_type)
+                and (device_type != "cuda" or self.cuda_graph is False))
 
     def is_dense(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` decodes dense: listed in `dense`, else one of the first `dense_layers`."""

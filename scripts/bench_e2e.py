@@ -12,6 +12,8 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
   quest       patch_model(budget, cuda_graph=False): the fixed-shape step uncaptured, with the defaults: on CUDA
               the whole one-token forward compiles as one torch.compile graph (compile_step="auto"; the warm-up
               call pays the compile), on CPU it runs eagerly
+  quest_exact the same with compile_capacity="exact": the cache allocates exactly, the compiled graph holds a symbolic
+              capacity (no capacity bucket)
   quest_uncompiled  the same with compile_step=False: the step run eagerly (Triton kernels; norms, MLPs and rotary
               through torch.compile, each called eagerly)
   quest_eager patch_model(budget, cuda_graph=False, compile_step=False, compile_decode=False): nothing compiled
@@ -57,8 +59,8 @@ from quest_hf.bench import MODEL_SHAPES as SHAPES
 from quest_hf.bench import Clock, copy_bandwidth, decode_floor_bytes, results_dir, time_calls
 from quest_hf.bench import random_llama as build
 
-METHODS = ("dense", "static", "static_defer", "quest", "quest_uncompiled", "quest_eager", "quest_step", "quest_graph",
-           "quest_graph_c", "quest_graph_c_sync")
+METHODS = ("dense", "static", "static_defer", "quest", "quest_exact", "quest_uncompiled", "quest_eager", "quest_step",
+           "quest_graph", "quest_graph_c", "quest_graph_c_sync")
 
 
 def measure(model, ids, new_tokens, device, deferred: bool, **kw):
@@ -200,6 +202,7 @@ def main(argv=None):
                                     compile_step={"quest_step": True, "quest_uncompiled": False,
                                                   "quest_eager": False}.get(method, "auto"),
                                     defer_stop_check=method != "quest_graph_c_sync",
+                                    compile_capacity="exact" if method == "quest_exact" else "bucket",
                                     policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype")
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))

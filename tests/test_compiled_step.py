@@ -72,6 +72,40 @@ def test_capacity_buckets():
     assert all(n <= bucket(n) <= max(1024, n * 1.125) for n in range(1, 40000, 37))
 
 
+def test_exact_capacity_compiles_once_for_prompts_of_other_lengths():
+    """compile_capacity="exact" (here on CPU): each cache holds exactly its max length (page-rounded,
+    plus the spare page), and prompts of other lengths, hence other capacities, run the same graph (the capacity is
+    a symbolic size) and give the eager tokens; a hand-driven continuation past the capacity grows it and still
+    recompiles nothing."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    prompts = [left_padded_batch(lengths=n) for n in ((200, 181), (333, 300), (470, 455))]
+    kw = dict(budget=32, page_size=16, dense_layers=1)
+    patch_model(model, **kw)
+    eager = [_generate(model, ids, mask) for ids, mask in prompts]
+    patch_model(model, **kw, compile_step=True, compile_capacity="exact")
+    graphs = None
+    for (ids, mask), want in zip(prompts, eager):
+        out = _generate(model, ids, mask, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, want)
+        assert out.past_key_values.layers[0].capacity == -(-(ids.shape[1] + NEW) // 16) * 16 + 16  # no bucket
+        graphs = graphs or counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs  # one graph for all three capacities
+    step = model._quest_state.compiled_step
+    assert step.failed is None and step.traced_calls == 3 * (NEW - 1)
+    unpatch_model(model)
+
+
+def test_next_pow2_is_exact_and_guard_friendly():
+    """The launchers' power of two (a Top-K tile, split counts) is computed by comparisons, so a symbolic capacity
+    gets range guards, not a specialization; it is the least power of two >= n."""
+    from triton_kernels._common import next_pow2
+
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 16, 17, 2051, 4096, 4097)] == \
+        [1, 1, 2, 4, 4, 8, 16, 32, 4096, 4096, 8192]
+
+
 def test_hooks_run_inside_the_compiled_op_step_and_sliding_windows_hold():
     """Selection hooks make the step call Quest as one op a layer (not traced): the hooks still fire every decode
     step of every sparse layer and the tokens stay the eager ones, on a sliding-window model past its window."""
@@ -113,6 +147,14 @@ def test_compile_step_resolves_auto_in_one_place():
     for bad in ("yes", 1, None):
         with pytest.raises(TypeError, match="compile_step must be True, False or 'auto'"):
             QuestConfig(compile_step=bad)
+    # compile_capacity: buckets by default, only for a compiling, uncaptured step; "exact" never buckets.
+    assert QuestConfig().compile_capacity == "bucket" and not QuestConfig().exact_capacity("cuda")
+    assert QuestConfig(cuda_graph=False).buckets_capacity("cuda") and not QuestConfig().buckets_capacity("cuda")
+    assert QuestConfig(compile_step=True).buckets_capacity("cpu") and not QuestConfig().buckets_capacity("cpu")
+    assert not QuestConfig(compile_step=True, compile_capacity="exact").buckets_capacity("cpu")
+    assert QuestConfig(cuda_graph=False, compile_capacity="exact").exact_capacity("cuda")
+    with pytest.raises(ValueError, match="compile_capacity must be 'bucket' or 'exact'"):
+        QuestConfig(compile_capacity="auto")
 
 
 def test_cpu_default_runs_the_eager_step():

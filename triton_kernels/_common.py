@@ -98,7 +98,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+    """The least power of two >= n (1 for n <= 1). By comparisons only: under torch.compile with a symbolic capacity
+    (quest_hf.compiled) each is a range guard, so the result is a plain int and the graph stays valid for every size
+    up to that power of two (`int(n)` or `bit_length` would specialize the graph to the exact size)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
 
 
 def num_sms(device: torch.device) -> int:

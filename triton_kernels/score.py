@@ -108,7 +108,7 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
         s = s.masked_fill(dead, float("-inf"))
     if due is not None:
         s = s.masked_fill(due.view(()) == 0, float("-inf"))
-    s[..., P - 1] = float("inf")
+    s[..., -1] = float("inf")  # the spare page P - 1 (a constant index: no guard on P in a compiled step)
     if pos is not None:
         s.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
     s = s.amax(2) if reduce == "max" else s.sum(2) if reduce == "sum" else s.reshape(B, H * G, P)

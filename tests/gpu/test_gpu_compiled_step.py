@@ -55,14 +55,38 @@ def test_compiled_step_on_cuda_gives_the_eager_tokens(model, hook):
     assert seen_e == seen_c and (len(seen_c) > 0) == hook
 
 
-def test_captured_compile_step_cache_is_not_bucketed(model):
-    """With the step captured, compile_step never compiles: the capacity is the plain one, not a bucket."""
-    ids = torch.randint(2, 1000, (1, 1100), device=DEV, generator=torch.Generator(DEV).manual_seed(5))
-    mask = torch.ones_like(ids)
-    _, captured, _ = _generate(model, ids, mask, cuda_graph="auto", compile_step=True)
-    _, uncaptured, _ = _generate(model, ids, mask, cuda_graph=False, compile_step=True)
+def test_capacity_is_exact_and_one_graph_serves_other_lengths(model):
+    """compile_capacity="exact": the uncaptured compiled cache holds what generate() needs, as the captured one
+    does, and prompts of three lengths (pages in one power-of-two Top-K tile) run one traced graph with the eager
+    tokens; the default ("bucket") rounds up instead."""
+    from torch._dynamo.utils import counters
+
     from quest_hf.compiled import bucket
 
+    g = torch.Generator(DEV).manual_seed(5)
+    prompts = [torch.randint(2, 1000, (1, n), device=DEV, generator=g) for n in (1100, 1500, 1900)]
+    eager = [_generate(model, ids, torch.ones_like(ids), cuda_graph=False, compile_step=False)[0] for ids in prompts]
+    patch_model(model, budget=64, page_size=16, compile_decode=False)  # captured
+    captured = model.generate(prompts[0], attention_mask=torch.ones_like(prompts[0]), max_new_tokens=NEW,
+                              min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True).past_key_values
     assert captured.decode_path == "captured"
-    a, b = captured.layers[0].capacity - 16, uncaptured.layers[0].capacity - 16  # less the spare page
-    assert b == bucket(b) and a != bucket(a) and a < b
+    torch._dynamo.reset()
+    patch_model(model, budget=64, page_size=16, compile_decode=False, cuda_graph=False, compile_capacity="exact")
+    graphs = None
+    for ids, want in zip(prompts, eager):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, return_dict_in_generate=True)
+        cache = out.past_key_values  # generate()'s own: it knows the max length
+        assert cache.decode_path == "compiled, uncaptured: cuda_graph=False"
+        n = ids.shape[1]
+        assert cache.layers[0].capacity == -(-(n + NEW) // 16) * 16 + 16  # page-rounded max length + the spare page
+        if n == 1100:
+            assert cache.layers[0].capacity == captured.layers[0].capacity
+        assert torch.equal(out.sequences, want.sequences)
+        graphs = graphs or counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs, f"recompiled for a prompt of {n} tokens"
+    step = model._quest_state.compiled_step
+    assert step.failed is None and step.traced_calls == step.calls >= 3 * (NEW - 1)
+    _, bucketed, _ = _generate(model, prompts[-1], torch.ones_like(prompts[-1]), cuda_graph=False)  # the default
+    b = bucketed.layers[0].capacity - 16
+    assert b == bucket(b) > 1900 + NEW
