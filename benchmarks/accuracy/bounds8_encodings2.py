@@ -127,7 +127,43 @@ def enc_pccr8(lo, hi, empty, layer):
     return a * s, b * s
 
 
-ENCODINGS = dict(fp16=enc_fp16, pc8=enc_pc8, a8g8=enc_a8g8, pcg16=enc_pcg16, pccr8=enc_pccr8)
+def mu_codes(lo, hi, mu):
+    """muNN: the built int8 layout (one fp32 scale a page and KV head, int8 lo/hi codes) with mu-law companded codes,
+    fine near 0 and coarse near the page's largest channel: v = s * sign(c) * ((1 + mu)^(|c| / 127) - 1) / mu,
+    lo's code rounded down and hi's up in the companded domain, then stepped outward until the decoded value
+    encloses (fp64)."""
+    s = up((torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True)).clamp_min(TINY), torch.float32)
+    lm = torch.log1p(torch.tensor(float(mu), dtype=torch.float64))
+
+    def comp(x):
+        return torch.sign(x) * torch.log1p(mu * x.abs().clamp(max=1.0)) / lm * 127
+
+    def dec(c):
+        return s * torch.sign(c) * torch.expm1(c.abs() / 127 * lm) / mu
+
+    lq, hq = torch.floor(comp(lo / s)).clamp(-127, 127), torch.ceil(comp(hi / s)).clamp(-127, 127)
+    for _ in range(3):  # the decode's rounding: step a code outward where it fails to enclose
+        lq = torch.where(dec(lq) > lo, (lq - 1).clamp(min=-127), lq)
+        hq = torch.where(dec(hq) < hi, (hq + 1).clamp(max=127), hq)
+    return dec(lq), dec(hq)
+
+
+def enc_mu15(lo, hi, empty, layer):
+    return mu_codes(lo, hi, 15)
+
+
+def enc_mu63(lo, hi, empty, layer):
+    return mu_codes(lo, hi, 63)
+
+
+def enc_i8(lo, hi, empty, layer):
+    """The built layout emulated linearly (mu -> 0): one scale a page and KV head, max |bound| / 127."""
+    s = up((torch.maximum(lo.abs(), hi.abs()).amax(-1, keepdim=True) / 127).clamp_min(TINY), torch.float32)
+    return floor_code(lo, s) * s, ceil_code(hi, s) * s
+
+
+ENCODINGS = dict(fp16=enc_fp16, pc8=enc_pc8, a8g8=enc_a8g8, pcg16=enc_pcg16, pccr8=enc_pccr8, i8=enc_i8,
+                 mu15=enc_mu15, mu63=enc_mu63)
 
 
 def emulate(enc, layer, kmin, kmax):
