@@ -21,6 +21,10 @@ calls: the score of the emulated bounds >= the exact max q.k over each page's ke
          channels, lo/hi int8 codes on it, outward). No saturation: the page scale adapts.
   pccr8  per-channel normalisation by s_c, then cr8 (bounds8_encodings.py: int8 centre on one fp32 scale, uint8
          radius on another, a page and KV head).
+  i8     the built layout (QuestConfig(bounds="int8")) emulated: one fp32 scale a page and KV head, max |bound| / 127,
+         linear int8 lo/hi codes, outward.
+  mu15, mu63  the same layout with mu-law companded codes (`mu_codes`): finer near 0, coarser near the page's
+         largest channel (bounds8_mu15.md).
 """
 import sys
 from pathlib import Path
