@@ -129,7 +129,7 @@ class CompiledStep:
             cache._step.for_graph()  # the padding column as the append kernel reads it, in a tensor of its own
             for layer in cache.layers:  # likewise the valid slots, where the Triton kernels run
                 layer.valid_u8 = layer.valid.view(torch.uint8) if layer.ops.name == "triton" else None
-            if cache.quest_config.exact_capacity(cache.layers[0].device.type):
+            if cache.quest_config.compile_capacity == "exact":
                 mark_capacity_symbolic(cache)
         global _depth, _traced
         _ACTIVE.append(cache)

@@ -282,17 +282,12 @@ class QuestConfig:
             return device_type == "cuda" and self.cuda_graph is False and self.offload is None
         return self.compile_step
 
-    def exact_capacity(self, device_type: str) -> bool:
-        """Whether a compiled step on a `device_type` device sees the capacity as a symbolic size and the cache
-        allocates exactly what it needs (`compile_capacity="exact"`), rather than a static capacity bucket."""
-        return self.compile_capacity == "exact"
-
     def buckets_capacity(self, device_type: str) -> bool:
         """Whether a cache on a `device_type` device rounds its capacity up to a compile bucket
-        (quest_hf.compiled.bucket): where its uncaptured step compiles with a static capacity (`exact_capacity`
-        False) and a step is not captured (CPU, or CUDA with `cuda_graph=False`; a captured step never compiles).
+        (quest_hf.compiled.bucket): where its uncaptured step compiles with a static capacity (`compile_capacity`
+        "bucket") and a step is not captured (CPU, or CUDA with `cuda_graph=False`; a captured step never compiles).
         The patch narrows it to models that compile."""
-        return (self.compiles_step(device_type) and not self.exact_capacity(device_type)
+        return (self.compiles_step(device_type) and self.compile_capacity == "bucket"
                 and (device_type != "cuda" or self.cuda_graph is False))
 
     def is_dense(self, layer_idx: int) -> bool:
