@@ -16,21 +16,27 @@ of two ways:
 The compiled forward sees no cache (`use_cache=False`, no mask): the attention of layer `i` receives the new
 token's key/value from HF's code and appends them to `cache.layers[i]` of the step in flight (`_ACTIVE`); the
 padding comes from the cache's valid slots, as in every decode step. The batch and every model shape are
-static; the capacity is one of two kinds (`QuestConfig.compile_capacity`):
-- bucket (default): shapes are static and the capacity is rounded up to an eighth of an octave (`bucket`, at least
-  1024 tokens; at most 12.5% more slots) so that prompts of similar lengths share a compile;
+static; the capacity is one of two kinds (`QuestConfig.compile_capacity`, "auto": exact on CUDA, bucket elsewhere):
 - exact: the cache allocates what the sequence needs, as HF's static cache does, and the traced graph sees its
   capacity as a symbolic size (`mark_capacity_symbolic`): the launchers' choices from it are range guards
   (`triton_kernels._common.next_pow2` compares, never specializes), so one graph serves every capacity until the
-  page count crosses a power of two (a Top-K tile) or the budget. Its step ran slower (inductor's code for a
-  symbolic size: CPU, a tiny Llama at 2K, 4.3 vs 2.3 ms; H200 figures in QuestConfig's docstring).
+  page count crosses a power of two (a Top-K tile) or the budget;
+- bucket: shapes are static and the capacity is rounded up to an eighth of an octave (`bucket`, at least 1024
+  tokens; at most 12.5% more slots) so that prompts of similar lengths share a compile: the CPU's default, where
+  inductor's C++ for a symbolic size runs slower (a tiny 3-layer Llama at 512 tokens: 3.9 vs 1.2 ms a step).
+On CUDA the kernels run from inductor's C++ wrapper (`QuestConfig.compile_wrapper`): the step launches ~20 kernels
+a layer, and from Python that host work, not the GPU, set its pace (16 layers of the 7B shape: 10.2 ms a step
+against 3.1 ms of kernels; 3.8 ms from C++).
 Dynamo compiles at most `recompile_limit` (8) shapes of the step in a process, after which it runs the step
 uncompiled and says so in its own warning.
 
 What happened is visible: `cache.decode_path` ("compiled, uncaptured: <why no graph>", or "eager: <why>" with the
-compile error when compiling failed), and `calls` / `traced_calls` / `failed` on `model._quest_state.compiled_step`.
+compile error when compiling failed), and `calls` / `traced_calls` / `failed` / `wrapper` on
+`model._quest_state.compiled_step`.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers.utils import logging
@@ -85,13 +91,28 @@ def capacity_tensors(layer):
     return [(t, dim) for t, dim in found if t is not None]
 
 
+_MARKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> buffer already marked (alive only)
+
+
 def mark_capacity_symbolic(cache) -> None:
     """Let the traced graph take the capacity of `cache`'s layers as a symbolic size (exact capacity: no recompile
     for another prompt length). `maybe_mark_dynamic`: where a choice does pin the size (a capacity below the
-    budget: dense attention), dynamo specializes instead of raising."""
+    budget: dense attention), dynamo specializes instead of raising. Each buffer is marked once (the mark stays on
+    the tensor): a mark costs ~10-30 us of host time, ~11 buffers a layer, on every step otherwise."""
     for layer in cache.layers:
         for t, dim in capacity_tensors(layer):
-            torch._dynamo.maybe_mark_dynamic(t, dim)
+            if _MARKED.get(id(t)) is not t:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+                _MARKED[id(t)] = t
+
+
+def kernel_valid_view(layer) -> torch.Tensor:
+    """The uint8 view of `layer.valid` that a traced step's Triton kernels read, the same tensor on every step while
+    `valid` stays (so that its mark, and dynamo's guard on it, carry over)."""
+    pair = layer.__dict__.get("_valid_u8_of")
+    if pair is None or pair[0] is not layer.valid:
+        pair = layer._valid_u8_of = (layer.valid, layer.valid.view(torch.uint8))
+    return pair[1]
 
 
 def active_cache():
@@ -102,8 +123,9 @@ def active_cache():
 class CompiledStep:
     """The compiled one-token forward of one patched model (made on its first uncaptured decode step)."""
 
-    def __init__(self, forward, backend: str):
+    def __init__(self, forward, backend: str, wrapper: str = "python"):
         self.backend = backend
+        self.wrapper = wrapper if backend == "inductor" else None  # "cpp": inductor's C++ wrapper runs the kernels
         self.calls = 0  # compiled steps run (visible to users and tests)
         self.traced_calls = 0  # of which traced Quest's kernels into the graph (`traceable`); the rest ran the op
         self.failed: str | None = None  # the compile error, when compiling failed (the steps then run eagerly)
@@ -112,7 +134,8 @@ class CompiledStep:
             return forward(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
                            return_dict=True, **fixed)
 
-        self._fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+        options = {"cpp_wrapper": True} if self.wrapper == "cpp" else None
+        self._fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=False, options=options)
 
     def step(self, cache, cache_arg: str, input_ids, position_ids, attention_mask, fixed: dict):
         """Run one decode token over `cache`; returns the model output with the cache under `cache_arg`, or None when
@@ -128,8 +151,8 @@ class CompiledStep:
                 layer.dense_pages()
             cache._step.for_graph()  # the padding column as the append kernel reads it, in a tensor of its own
             for layer in cache.layers:  # likewise the valid slots, where the Triton kernels run
-                layer.valid_u8 = layer.valid.view(torch.uint8) if layer.ops.name == "triton" else None
-            if cache.quest_config.compile_capacity == "exact":
+                layer.valid_u8 = kernel_valid_view(layer) if layer.ops.name == "triton" else None
+            if cache.quest_config.capacity_mode(cache.layers[0].device.type) == "exact":
                 mark_capacity_symbolic(cache)
         global _depth, _traced
         _ACTIVE.append(cache)

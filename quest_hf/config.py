@@ -59,21 +59,31 @@ class QuestConfig:
             kernels with no Python between them. Quest's part of each layer is traced into the graph where the step is
             plain device work (policy quest, no selection hooks, no offload, no selection reuse;
             `compiled_step.traced_calls`), else called from it as one op a layer. The first step compiles (H200,
-            Llama-2-7B shape: ~1.5 min; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size and as
-            `compile_capacity` says for a new capacity. A compile error is logged and the steps run eagerly
+            Llama-2-7B shape with the Python wrapper: ~2 min; with the C++ wrapper, the CUDA default: 16 layers 119 s,
+            the whole model not yet timed alone; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size
+            and as `compile_capacity` says for a new capacity. A compile error is logged and the steps run eagerly
             (`cache.decode_path` says which path ran). H200, Llama-2-7B shape, 32K, `generate()` with
-            `cuda_graph=False`: 12.91 ms/token compiled vs HF DynamicCache's 21.16 (1.64x; the eager step: 0.70x);
-            fp16 greedy tokens part from the eager step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
-        compile_capacity: how a compiled step (`compile_step`) meets caches of other capacities. `"bucket"` (default):
-            static shapes, the capacity rounded up to an eighth of an octave (at most 12.5% more K/V slots) so that
-            prompts of similar lengths share one compile. `"exact"`: the cache allocates what the sequence needs (as
-            HF's static cache does) and the graph takes its capacity as a symbolic size, so a prompt of another length
-            compiles nothing new unless its page count crosses a power of two (the Top-K tile) or the budget. Measured
-            (benchmarks/e2e/run14): H200, Llama-2-7B shape, 32K: exact peaks at 32.6 GiB (HF static's 31.6 + the page
-            bounds) against the bucket's 34.7, but its step is slower: 6 layers 3.80 vs 3.64 ms in one run, the whole
-            model 24.0 ms in bench_e2e (after an HF static row) against the bucket's 12.91 in run 13, not yet
-            compared in one run; on CPU a tiny Llama at 2K 4.3 vs 2.3 ms. A captured or eager step's capacity is always
+            `cuda_graph=False`, exact capacity and the Python wrapper: 15.45 ms/token vs HF DynamicCache's 21.39
+            (1.38x, benchmarks/e2e/run15; bucket capacity: 12.91 vs 21.16 in run13; the eager step: 0.70x); fp16
+            greedy tokens part from the eager step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
+        compile_capacity: how a compiled step (`compile_step`) meets caches of other capacities. `"auto"` (default):
+            `"exact"` on CUDA, `"bucket"` elsewhere (resolved in `capacity_mode`). `"exact"`: the cache allocates what
+            the sequence needs (as HF's static cache does) and the graph takes its capacity as a symbolic size, so a
+            prompt of another length compiles nothing new unless its page count crosses a power of two (the Top-K
+            tile) or the budget. `"bucket"`: static shapes, the capacity rounded up to an eighth of an octave (at most
+            12.5% more K/V slots) so that prompts of similar lengths share one compile. Peak at Llama-2-7B/32K: exact
+            32.6 GiB (HF static's 31.6 + the page bounds), bucket 34.7 (benchmarks/e2e/run14). On CPU inductor's C++
+            for a symbolic size runs slower (a tiny 3-layer Llama at 512 tokens: 3.9 vs 1.2 ms a step, its dense
+            layers' fused attention 645 vs 138 us), hence bucket there. A captured or eager step's capacity is always
             exact.
+        compile_wrapper: the code that runs a compiled step's kernels (`compile_step`; backend "inductor"). `"auto"`
+            (default): `"cpp"` on CUDA, `"python"` elsewhere (`wrapper_mode`). `"cpp"`: inductor's C++ wrapper
+            (`cpp_wrapper`), which launches the kernels from compiled code; `"python"`: its Python wrapper. An
+            uncaptured step on CUDA is bound by the host's work around its ~20 kernel launches a layer, not by the
+            GPU: H200, Llama-2-7B shape cut to 16 layers, 32K, a hand-driven loop (benchmarks/e2e/run15): exact
+            capacity 10.22 ms a step with the Python wrapper (whose own code computes sizes from the symbolic
+            capacity around each launch), 3.76 with the C++ one, against 3.14 ms of kernel time (bucket: 6.17 vs
+            3.62); the C++ wrapper's compile takes longer (first step 119 vs 48 s at 16 layers).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
@@ -148,7 +158,8 @@ class QuestConfig:
     defer_stop_check: bool = True
     compile_backend: str = "inductor"
     compile_step: bool | str = "auto"
-    compile_capacity: str = "bucket"
+    compile_capacity: str = "auto"
+    compile_wrapper: str = "auto"
     fuse_projections: bool = False
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
@@ -198,8 +209,10 @@ class QuestConfig:
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {self.cuda_graph!r}")
         if not (isinstance(self.compile_step, bool) or self.compile_step == "auto"):
             raise TypeError(f"compile_step must be True, False or 'auto', got {self.compile_step!r}")
-        if self.compile_capacity not in ("bucket", "exact"):
-            raise ValueError(f"compile_capacity must be 'bucket' or 'exact', got {self.compile_capacity!r}")
+        if self.compile_capacity not in ("auto", "bucket", "exact"):
+            raise ValueError(f"compile_capacity must be 'auto', 'bucket' or 'exact', got {self.compile_capacity!r}")
+        if self.compile_wrapper not in ("auto", "cpp", "python"):
+            raise ValueError(f"compile_wrapper must be 'auto', 'cpp' or 'python', got {self.compile_wrapper!r}")
         for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -282,12 +295,26 @@ class QuestConfig:
             return device_type == "cuda" and self.cuda_graph is False and self.offload is None
         return self.compile_step
 
+    def capacity_mode(self, device_type: str) -> str:
+        """How a compiled step on a `device_type` device sizes its cache: "exact" or "bucket" (`compile_capacity`: the
+        one place "auto" is resolved)."""
+        if self.compile_capacity == "auto":
+            return "exact" if device_type == "cuda" else "bucket"
+        return self.compile_capacity
+
+    def wrapper_mode(self, device_type: str) -> str:
+        """Which inductor wrapper a compiled step on a `device_type` device runs its kernels from: "cpp" or "python"
+        (`compile_wrapper`: the one place "auto" is resolved)."""
+        if self.compile_wrapper == "auto":
+            return "cpp" if device_type == "cuda" else "python"
+        return self.compile_wrapper
+
     def buckets_capacity(self, device_type: str) -> bool:
         """Whether a cache on a `device_type` device rounds its capacity up to a compile bucket
-        (quest_hf.compiled.bucket): where its uncaptured step compiles with a static capacity (`compile_capacity`
+        (quest_hf.compiled.bucket): where its uncaptured step compiles with a static capacity (`capacity_mode`
         "bucket") and a step is not captured (CPU, or CUDA with `cuda_graph=False`; a captured step never compiles).
         The patch narrows it to models that compile."""
-        return (self.compiles_step(device_type) and self.compile_capacity == "bucket"
+        return (self.compiles_step(device_type) and self.capacity_mode(device_type) == "bucket"
                 and (device_type != "cuda" or self.cuda_graph is False))
 
     def is_dense(self, layer_idx: int) -> bool:

@@ -242,7 +242,9 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
             (logger.info_once if asked else logger.warning_once)(
                 f"quest-hf: decode steps run uncaptured ({why}), the one-token forward through torch.compile "
                 f"({state.config.compile_backend}); the first step of each new batch size or capacity bucket compiles "
-                f"(about 1.5 minutes for a 7B model on an H200); compile_step=False runs the steps eagerly instead")
+                f"(minutes for a 7B model on an H200: about 2 with compile_wrapper='python', more with the C++ wrapper "
+                f"that is the CUDA default and runs each step faster; inductor's cache serves a later process); "
+                f"compile_step=False runs the steps eagerly instead")
         else:
             cache.decode_path = f"eager: {why}"
             on_gpu = why != "cuda_graph=False" and next(model.parameters()).is_cuda
@@ -264,8 +266,9 @@ def _compiled_decode(model, state: _PatchState, original, cache: QuestCache, ids
     """One decode step through the model's CompiledStep; None when it could not compile (the cache's decode_path then
     says so, and this and later steps run eagerly)."""
     step = state.compiled_step
-    if step is None or step.backend != state.config.compile_backend:
-        step = state.compiled_step = CompiledStep(original, state.config.compile_backend)
+    wrapper = state.config.wrapper_mode(ids.device.type)
+    if step is None or step.backend != state.config.compile_backend or step.wrapper not in (wrapper, None):
+        step = state.compiled_step = CompiledStep(original, state.config.compile_backend, wrapper)
     fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
     state.cache = cache  # what the attention reads (the decoder's hook, which sets it, is not traced)
     try:

@@ -11,9 +11,11 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
               one-step-late stop check alone gives HF's dense path
   quest       patch_model(budget, cuda_graph=False): the fixed-shape step uncaptured, with the defaults: on CUDA
               the whole one-token forward compiles as one torch.compile graph (compile_step="auto"; the warm-up
-              call pays the compile), on CPU it runs eagerly
-  quest_exact the same with compile_capacity="exact": the cache allocates exactly, the compiled graph holds a symbolic
-              capacity (no capacity bucket)
+              call pays the compile; compile_capacity "auto": exact on CUDA; compile_wrapper "auto": inductor's C++
+              wrapper on CUDA), on CPU it runs eagerly
+  quest_exact / quest_bucket  the same with compile_capacity="exact" (the cache allocates exactly, the compiled graph
+              holds a symbolic capacity) / "bucket" (static shapes, the capacity rounded up to a compile bucket)
+  quest_pywrap  the same with compile_wrapper="python": inductor's Python wrapper launches the step's kernels
   quest_uncompiled  the same with compile_step=False: the step run eagerly (Triton kernels; norms, MLPs and rotary
               through torch.compile, each called eagerly)
   quest_eager patch_model(budget, cuda_graph=False, compile_step=False, compile_decode=False): nothing compiled
@@ -59,8 +61,11 @@ from quest_hf.bench import MODEL_SHAPES as SHAPES
 from quest_hf.bench import Clock, copy_bandwidth, decode_floor_bytes, results_dir, time_calls
 from quest_hf.bench import random_llama as build
 
-METHODS = ("dense", "static", "static_defer", "quest", "quest_exact", "quest_uncompiled", "quest_eager", "quest_step",
-           "quest_graph", "quest_graph_c", "quest_graph_c_sync")
+METHODS = ("dense", "static", "static_defer", "quest", "quest_exact", "quest_bucket", "quest_pywrap", "quest_uncompiled",
+           "quest_eager", "quest_step", "quest_graph", "quest_graph_c", "quest_graph_c_sync")
+
+
+WARMUP: dict = {}  # the last measure()'s warm-up call, s
 
 
 def measure(model, ids, new_tokens, device, deferred: bool, **kw):
@@ -69,10 +74,12 @@ def measure(model, ids, new_tokens, device, deferred: bool, **kw):
     With a deferred stop check the first token reaches the streamer one step late: one step is taken off."""
     run = lambda clock: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,  # noqa
                                        min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kw)
+    t0 = time.perf_counter()
     run(Clock(device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    WARMUP["s"] = time.perf_counter() - t0  # the warm-up call: what a first generate() costs (compiles included)
     clock = Clock(device)
     out = run(clock)
     intervals = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]
@@ -202,7 +209,8 @@ def main(argv=None):
                                     compile_step={"quest_step": True, "quest_uncompiled": False,
                                                   "quest_eager": False}.get(method, "auto"),
                                     defer_stop_check=method != "quest_graph_c_sync",
-                                    compile_capacity="exact" if method == "quest_exact" else "bucket",
+                                    compile_capacity={"quest_exact": "exact", "quest_bucket": "bucket"}.get(method, "auto"),
+                                    compile_wrapper="python" if method == "quest_pywrap" else "auto",
                                     policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype")
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
@@ -232,9 +240,10 @@ def main(argv=None):
                         decode_path = model._quest_state.decode_path
                     else:
                         decode_path = None
+                    warmup_s = WARMUP.pop("s", None)
                     row = dict(shape=shape, length=L, batch=B, beams=args.beams, method=full, budget=budget,
                                config=None if config is None else config_summary(config),
-                               decode_path=decode_path, prefill_s=prefill,
+                               decode_path=decode_path, prefill_s=prefill, warmup_s=warmup_s,
                                step_ms=step * 1e3, step_mean_ms=mean * 1e3, stop_check_deferred=deferred,
                                first_steps_ms=[round(t * 1e3, 2) for t in first],
                                tokens_per_s=B / step if step == step else float("nan"),
@@ -247,6 +256,13 @@ def main(argv=None):
                         row["compiled_calls"] = sum(m._quest_compiled_calls for m in compiled.modules)
                         row["compiled_rotary_calls"] = compiled.rotary_calls
                         row["compile_failed"] = sorted(compiled.failed)
+                    step_state = getattr(getattr(model, "_quest_state", None), "compiled_step", None)
+                    if method.startswith("quest") and not graph and step_state is not None:
+                        # the compiled uncaptured step: how many steps it ran (traced) and how often dynamo compiled
+                        from torch._dynamo.utils import counters
+                        row.update(step_calls=step_state.calls, step_traced_calls=step_state.traced_calls,
+                                   step_failed=step_state.failed, step_wrapper=step_state.wrapper,
+                                   dynamo_unique_graphs=counters["stats"]["unique_graphs"])
                     quest_cfg = config if config is not None else (
                         model._quest_state.config if method.startswith("quest") else None)
                     row["floor_bytes"] = decode_floor_bytes(model, L, B * args.beams, quest_cfg)

@@ -64,6 +64,22 @@ def test_beams_and_seeded_sampling_give_the_eager_tokens():
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True), sampled)
 
 
+def test_cpp_wrapper_gives_the_eager_tokens():
+    """compile_wrapper="cpp" (the CUDA default, here on CPU): inductor's C++ wrapper runs the traced step's kernels;
+    batch 2, left padding, GQA, a sparse budget give the eager step's tokens."""
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    patch_model(model, budget=32, page_size=16, dense_layers=1)
+    eager = _generate(model, ids, mask)
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True, compile_wrapper="cpp")
+    assert torch.equal(_generate(model, ids, mask), eager)
+    step = model._quest_state.compiled_step
+    assert step.wrapper == "cpp" and step.failed is None and step.traced_calls == NEW - 1
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)  # CPU default: Python wrapper
+    assert torch.equal(_generate(model, ids, mask), eager)
+    assert model._quest_state.compiled_step.wrapper == "python"
+
+
 def test_capacity_buckets():
     from quest_hf.compiled import bucket
 
@@ -147,14 +163,24 @@ def test_compile_step_resolves_auto_in_one_place():
     for bad in ("yes", 1, None):
         with pytest.raises(TypeError, match="compile_step must be True, False or 'auto'"):
             QuestConfig(compile_step=bad)
-    # compile_capacity: buckets by default, only for a compiling, uncaptured step; "exact" never buckets.
-    assert QuestConfig().compile_capacity == "bucket"
-    assert QuestConfig(cuda_graph=False).buckets_capacity("cuda") and not QuestConfig().buckets_capacity("cuda")
+    # compile_capacity "auto" (default): exact on CUDA, bucket elsewhere; buckets only for a compiling, uncaptured step.
+    assert QuestConfig().compile_capacity == "auto"
+    assert QuestConfig().capacity_mode("cuda") == "exact" and QuestConfig().capacity_mode("cpu") == "bucket"
+    assert QuestConfig(compile_capacity="bucket").capacity_mode("cuda") == "bucket"
+    assert QuestConfig(compile_capacity="exact").capacity_mode("cpu") == "exact"
+    assert not QuestConfig(cuda_graph=False).buckets_capacity("cuda")  # exact on CUDA by default
+    assert QuestConfig(cuda_graph=False, compile_capacity="bucket").buckets_capacity("cuda")
+    assert not QuestConfig(compile_capacity="bucket").buckets_capacity("cuda")  # captured: never compiles
     assert QuestConfig(compile_step=True).buckets_capacity("cpu") and not QuestConfig().buckets_capacity("cpu")
     assert not QuestConfig(compile_step=True, compile_capacity="exact").buckets_capacity("cpu")
-    assert not QuestConfig(cuda_graph=False, compile_capacity="exact").buckets_capacity("cuda")
-    with pytest.raises(ValueError, match="compile_capacity must be 'bucket' or 'exact'"):
-        QuestConfig(compile_capacity="auto")
+    with pytest.raises(ValueError, match="compile_capacity must be 'auto', 'bucket' or 'exact'"):
+        QuestConfig(compile_capacity="static")
+    # compile_wrapper "auto" (default): inductor's C++ wrapper on CUDA, its Python wrapper elsewhere.
+    assert QuestConfig().wrapper_mode("cuda") == "cpp" and QuestConfig().wrapper_mode("cpu") == "python"
+    assert QuestConfig(compile_wrapper="python").wrapper_mode("cuda") == "python"
+    assert QuestConfig(compile_wrapper="cpp").wrapper_mode("cpu") == "cpp"
+    with pytest.raises(ValueError, match="compile_wrapper must be 'auto', 'cpp' or 'python'"):
+        QuestConfig(compile_wrapper="c++")
 
 
 def test_cpu_default_runs_the_eager_step():

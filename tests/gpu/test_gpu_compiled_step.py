@@ -2,7 +2,8 @@
 
 The traced form puts the Triton kernels in inductor's graph (they failed to compile there once: inductor types a
 Python float fp64, tests/test_kernel_float_args.py); the op form calls the eager step from the graph. Both must give
-the eager step's tokens. Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu`.
+the eager step's tokens, from inductor's C++ wrapper (the CUDA default) and from its Python one. Skipped without
+CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu`.
 """
 import pytest
 import torch
@@ -35,17 +36,19 @@ def _generate(model, ids, mask, hook=None, **options):
     return out, cache, seen
 
 
-@pytest.mark.parametrize("hook", [False, True], ids=["traced", "op-with-hook"])
-def test_compiled_step_on_cuda_gives_the_eager_tokens(model, hook):
+@pytest.mark.parametrize("hook,wrapper", [(False, "auto"), (True, "auto"), (False, "python")],
+                         ids=["traced", "op-with-hook", "traced-python-wrapper"])
+def test_compiled_step_on_cuda_gives_the_eager_tokens(model, hook, wrapper):
     g = torch.Generator(DEV).manual_seed(4)
     ids = torch.randint(2, 1000, (2, 400), device=DEV, generator=g)
     mask = torch.ones_like(ids)
     mask[1, :37] = 0  # left padding
     torch._dynamo.reset()
     eager, c_e, seen_e = _generate(model, ids, mask, hook, cuda_graph=False, compile_step=False)
-    comp, c_c, seen_c = _generate(model, ids, mask, hook, cuda_graph=False)  # the default on CUDA: compiled
+    comp, c_c, seen_c = _generate(model, ids, mask, hook, cuda_graph=False, compile_wrapper=wrapper)  # compiled
     step = model._quest_state.compiled_step
     assert step.failed is None, step.failed
+    assert step.wrapper == ("cpp" if wrapper == "auto" else "python")  # the CUDA default: inductor's C++ wrapper
     assert c_e.decode_path == "eager: cuda_graph=False"
     assert c_c.decode_path == "compiled, uncaptured: cuda_graph=False"
     assert step.calls >= NEW - 1 and step.traced_calls == (0 if hook else step.calls)
@@ -56,9 +59,9 @@ def test_compiled_step_on_cuda_gives_the_eager_tokens(model, hook):
 
 
 def test_capacity_is_exact_and_one_graph_serves_other_lengths(model):
-    """compile_capacity="exact": the uncaptured compiled cache holds what generate() needs, as the captured one
-    does, and prompts of three lengths (pages in one power-of-two Top-K tile) run one traced graph with the eager
-    tokens; the default ("bucket") rounds up instead."""
+    """The default on CUDA (compile_capacity "auto": exact): the uncaptured compiled cache holds what generate()
+    needs, as the captured one does, and prompts of three lengths (pages in one power-of-two Top-K tile) run one
+    traced graph with the eager tokens; compile_capacity="bucket" rounds up instead."""
     from torch._dynamo.utils import counters
 
     from quest_hf.compiled import bucket
@@ -71,7 +74,8 @@ def test_capacity_is_exact_and_one_graph_serves_other_lengths(model):
                               min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True).past_key_values
     assert captured.decode_path == "captured"
     torch._dynamo.reset()
-    patch_model(model, budget=64, page_size=16, compile_decode=False, cuda_graph=False, compile_capacity="exact")
+    patch_model(model, budget=64, page_size=16, compile_decode=False, cuda_graph=False)
+    assert model._quest_state.config.capacity_mode("cuda") == "exact"
     graphs = None
     for ids, want in zip(prompts, eager):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
@@ -87,6 +91,7 @@ def test_capacity_is_exact_and_one_graph_serves_other_lengths(model):
         assert counters["stats"]["unique_graphs"] == graphs, f"recompiled for a prompt of {n} tokens"
     step = model._quest_state.compiled_step
     assert step.failed is None and step.traced_calls == step.calls >= 3 * (NEW - 1)
-    _, bucketed, _ = _generate(model, prompts[-1], torch.ones_like(prompts[-1]), cuda_graph=False)  # the default
+    _, bucketed, _ = _generate(model, prompts[-1], torch.ones_like(prompts[-1]), cuda_graph=False,
+                               compile_capacity="bucket")
     b = bucketed.layers[0].capacity - 16
     assert b == bucket(b) > 1900 + NEW
