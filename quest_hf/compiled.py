@@ -32,16 +32,13 @@ uncompiled and says so in its own warning.
 
 What happened is visible: `cache.decode_path` ("compiled, uncaptured: <why no graph>", or "eager: <why>" with the
 compile error when compiling failed), and `calls` / `traced_calls` / `failed` / `wrapper` on
-`model._quest_state.compiled_step`.
+`model._quest_state.compiled_step` (`cpp_failed`: why the C++ wrapper, the CUDA default, gave way to the Python one).
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
-from transformers.utils import logging
-
-logger = logging.get_logger("quest_hf")
 
 _ACTIVE: list = []  # the QuestCache of the compiled step in flight (a stack: nested models each push their own)
 
@@ -129,6 +126,7 @@ class CompiledStep:
         self.calls = 0  # compiled steps run (visible to users and tests)
         self.traced_calls = 0  # of which traced Quest's kernels into the graph (`traceable`); the rest ran the op
         self.failed: str | None = None  # the compile error, when compiling failed (the steps then run eagerly)
+        self.cpp_failed: str | None = None  # the C++ wrapper's compile error, when this Python-wrapper step replaced it
 
         def step(input_ids, position_ids, **fixed):
             return forward(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
@@ -160,12 +158,11 @@ class CompiledStep:
         _traced, was_traced = int(traced), _traced
         try:
             out = self._fn(input_ids, position_ids, **fixed)
-        except Exception as e:  # noqa: BLE001 - any compile error: this model's steps run eagerly, loudly
+        except Exception as e:  # noqa: BLE001 - any compile error: the caller says what runs instead
             if self.calls or lengths != [layer.seq_len for layer in cache.layers]:
                 raise  # it ran before, or this step appended already: the error is the step's, not the compiler's
             msg = f"{type(e).__name__}: {e}"
             self.failed = msg if len(msg) < 3000 else f"{msg[:1500]} [...] {msg[-1500:]}"  # the tail names the line
-            logger.warning(f"quest-hf: the compiled uncaptured decode step failed, steps run eagerly: {self.failed}")
             return None
         finally:
             _ACTIVE.pop()

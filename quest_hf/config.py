@@ -83,7 +83,8 @@ class QuestConfig:
             GPU: H200, Llama-2-7B shape cut to 16 layers, 32K, a hand-driven loop (benchmarks/e2e/run15): exact
             capacity 10.22 ms a step with the Python wrapper (whose own code computes sizes from the symbolic
             capacity around each launch), 3.76 with the C++ one, against 3.14 ms of kernel time (bucket: 6.17 vs
-            3.62); the C++ wrapper's compile takes longer (first step 119 vs 48 s at 16 layers).
+            3.62); the C++ wrapper's compile takes longer (first step 119 vs 48 s at 16 layers). Under "auto" a C++
+            wrapper that cannot compile gives way to the Python one, with a warning (`compiled_step.cpp_failed`).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs

@@ -266,16 +266,29 @@ def _compiled_decode(model, state: _PatchState, original, cache: QuestCache, ids
     """One decode step through the model's CompiledStep; None when it could not compile (the cache's decode_path then
     says so, and this and later steps run eagerly)."""
     step = state.compiled_step
-    wrapper = state.config.wrapper_mode(ids.device.type)
-    if step is None or step.backend != state.config.compile_backend or step.wrapper not in (wrapper, None):
-        step = state.compiled_step = CompiledStep(original, state.config.compile_backend, wrapper)
+    cfg = state.config
+    wrapper = cfg.wrapper_mode(ids.device.type)
+    if step is None or step.backend != cfg.compile_backend or (
+            step.wrapper not in (wrapper, None) and step.cpp_failed is None):
+        step = state.compiled_step = CompiledStep(original, cfg.compile_backend, wrapper)
     fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
     state.cache = cache  # what the attention reads (the decoder's hook, which sets it, is not traced)
     try:
-        out = step.step(cache, state.cache_arg, ids, kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+        args = (cache, state.cache_arg, ids, kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
+        out = step.step(*args)
+        if out is None and step.wrapper == "cpp" and cfg.compile_wrapper == "auto":
+            # the C++ wrapper is the CUDA default, not the user's ask: its failure costs the Python wrapper, not the
+            # compiled step (the eager one runs at a fraction of its speed)
+            logger.warning(f"quest-hf: inductor's C++ wrapper could not compile the decode step ({step.failed[:300]}); "
+                           f"compiling it with the Python wrapper (compile_wrapper='python' skips the attempt)")
+            failed = step.failed
+            step = state.compiled_step = CompiledStep(original, cfg.compile_backend, "python")
+            step.cpp_failed = failed
+            out = step.step(*args)
     finally:
         state.cache = None
     if out is None:
+        logger.warning(f"quest-hf: the compiled uncaptured decode step failed, steps run eagerly: {step.failed}")
         cache.decode_path = f"eager: {cache.decode_path.partition(': ')[2]}; compiling the step failed: " \
                             f"{step.failed[:300]}"
     return out

@@ -1,5 +1,7 @@
 """`QuestConfig(compile_step=True)`: the uncaptured decode step as one torch.compile graph (quest_hf/compiled.py), on
 CPU. Each test compiles (seconds to tens of seconds on the CI box), so they are few and each checks much."""
+import logging
+
 import pytest
 import torch
 
@@ -78,6 +80,44 @@ def test_cpp_wrapper_gives_the_eager_tokens():
     patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)  # CPU default: Python wrapper
     assert torch.equal(_generate(model, ids, mask), eager)
     assert model._quest_state.compiled_step.wrapper == "python"
+
+
+def test_cpp_wrapper_failure_falls_back_to_the_python_wrapper(monkeypatch, caplog):
+    """Where the C++ wrapper (the CUDA default) cannot compile, the step compiles with the Python wrapper, says so in
+    a warning and in `cpp_failed`, and keeps it for later steps; asked for explicitly, the failure runs eager steps."""
+    from quest_hf.config import QuestConfig
+
+    real = torch.compile
+
+    def fake_compile(fn, backend="inductor", options=None, **kw):
+        if options and options.get("cpp_wrapper"):
+            def broken(*a, **k):
+                raise RuntimeError("no C++ compiler here")
+            return broken
+        return real(fn, backend="eager", **kw)  # the Python wrapper's stand-in: no code generation, same graph
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(QuestConfig, "wrapper_mode", lambda self, device_type: "cpp"
+                        if self.compile_wrapper in ("auto", "cpp") else "python")
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    ids, mask = left_padded_batch(lengths=(90, 71))
+    patch_model(model, budget=32, page_size=16, dense_layers=1)
+    eager = _generate(model, ids, mask)
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)
+    with caplog.at_level(logging.WARNING, logger="quest_hf"):
+        out = _generate(model, ids, mask, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, eager)
+    step = model._quest_state.compiled_step
+    assert step.wrapper == "python" and "no C++ compiler here" in step.cpp_failed and step.failed is None
+    assert step.calls == NEW - 1  # every step compiled (one failed attempt, no rebuild per step)
+    assert out.past_key_values.decode_path.startswith("compiled, uncaptured: ")
+    assert "C++ wrapper could not compile the decode step" in caplog.text and "run eagerly" not in caplog.text
+    patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True, compile_wrapper="cpp")
+    out = _generate(model, ids, mask, return_dict_in_generate=True)  # asked for: no silent swap, eager steps
+    assert torch.equal(out.sequences, eager)
+    assert out.past_key_values.decode_path.startswith("eager: ") and "no C++ compiler here" in \
+        out.past_key_values.decode_path
+    assert model._quest_state.compiled_step.wrapper == "cpp"
 
 
 def test_capacity_buckets():
