@@ -26,7 +26,9 @@ static; the capacity is one of two kinds (`QuestConfig.compile_capacity`, "auto"
   inductor's C++ for a symbolic size runs slower (a tiny 3-layer Llama at 512 tokens: 3.9 vs 1.2 ms a step).
 On CUDA the kernels run from inductor's C++ wrapper (`QuestConfig.compile_wrapper`): the step launches ~20 kernels
 a layer, and from Python that host work, not the GPU, set its pace (16 layers of the 7B shape: 10.2 ms a step
-against 3.1 ms of kernels; 3.8 ms from C++).
+against 3.1 ms of kernels; 3.8 ms from C++), its entry compiled apart at -O1 (`cpp_wrapper_options`). The step
+stays host-bound: its pace follows the lent host's CPU (the same 16 layers ran 6.4 ms a step on a slower host,
+where dynamo's guard check alone took 1.6 ms of it; whole 7B at 32K: 8.3 ms a step on one host, 16.0 on another).
 Dynamo compiles at most `recompile_limit` (8) shapes of the step in a process, after which it runs the step
 uncompiled and says so in its own warning.
 
@@ -36,6 +38,7 @@ compile error when compiling failed), and `calls` / `traced_calls` / `failed` / 
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -112,6 +115,20 @@ def kernel_valid_view(layer) -> torch.Tensor:
     return pair[1]
 
 
+def cpp_wrapper_options() -> dict:
+    """inductor's options for a C++-wrapper step: the wrapper's entry (the launch sequence) compiled in a translation
+    unit of its own at -O1, apart from the kernels' loader code (`cpp_wrapper_build_separate`). Built whole, torch
+    2.11 compiles it all at -O3: one g++ ran ~5 minutes of the 7B step's ~8.5-minute first step; apart at -O1 the
+    first step took 258 s and the steps ran as fast (H200, same host, benchmarks/e2e/run16). An environment that
+    sets TORCHINDUCTOR_CPP_WRAPPER_BUILD_SEPARATE or AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL keeps its choice."""
+    options = {"cpp_wrapper": True}
+    if "TORCHINDUCTOR_CPP_WRAPPER_BUILD_SEPARATE" not in os.environ:
+        options["cpp_wrapper_build_separate"] = True
+    if "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL" not in os.environ:
+        options["aot_inductor.compile_wrapper_opt_level"] = "O1"  # -O0: a step 9% slower for 11% less compile
+    return options
+
+
 def active_cache():
     """The QuestCache of the compiled step in flight (what `quest_hf::decode_attention` appends to)."""
     return _ACTIVE[-1]
@@ -132,8 +149,8 @@ class CompiledStep:
             return forward(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False,
                            return_dict=True, **fixed)
 
-        options = {"cpp_wrapper": True} if self.wrapper == "cpp" else None
-        self._fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=False, options=options)
+        self.options = cpp_wrapper_options() if self.wrapper == "cpp" else None  # inductor's, as compiled
+        self._fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=False, options=self.options)
 
     def step(self, cache, cache_arg: str, input_ids, position_ids, attention_mask, fixed: dict):
         """Run one decode token over `cache`; returns the model output with the cache under `cache_arg`, or None when

@@ -60,11 +60,12 @@ class QuestConfig:
             plain device work (policy quest, no selection hooks, no offload, no selection reuse;
             `compiled_step.traced_calls`), else called from it as one op a layer. The first step compiles (H200,
             Llama-2-7B shape with the Python wrapper: ~2 min; with the C++ wrapper, the CUDA default: 16 layers 119 s,
-            the whole model not yet timed alone; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size
+            the whole 7B 258 s, run16; SmolLM2's 30 layers on CPU: ~55 s), and again for each new batch size
             and as `compile_capacity` says for a new capacity. A compile error is logged and the steps run eagerly
             (`cache.decode_path` says which path ran). H200, Llama-2-7B shape, 32K, `generate()` with
             `cuda_graph=False`, exact capacity and the Python wrapper: 15.45 ms/token vs HF DynamicCache's 21.39
-            (1.38x, benchmarks/e2e/run15; bucket capacity: 12.91 vs 21.16 in run13; the eager step: 0.70x); fp16
+            (1.38x, benchmarks/e2e/run15; bucket capacity: 12.91 vs 21.16 in run13; the eager step: 0.70x); with
+            the C++ wrapper (default) 16.04 vs 28.37 (1.77x) on one host, 8.27 vs 29.00 on a faster one (run16); fp16
             greedy tokens part from the eager step's where fused rounding flips a near-tie (benchmarks/e2e/run13).
         compile_capacity: how a compiled step (`compile_step`) meets caches of other capacities. `"auto"` (default):
             `"exact"` on CUDA, `"bucket"` elsewhere (resolved in `capacity_mode`). `"exact"`: the cache allocates what
@@ -83,8 +84,9 @@ class QuestConfig:
             GPU: H200, Llama-2-7B shape cut to 16 layers, 32K, a hand-driven loop (benchmarks/e2e/run15): exact
             capacity 10.22 ms a step with the Python wrapper (whose own code computes sizes from the symbolic
             capacity around each launch), 3.76 with the C++ one, against 3.14 ms of kernel time (bucket: 6.17 vs
-            3.62); the C++ wrapper's compile takes longer (first step 119 vs 48 s at 16 layers). Under "auto" a C++
-            wrapper that cannot compile gives way to the Python one, with a warning (`compiled_step.cpp_failed`).
+            3.62); the C++ wrapper's compile takes longer (first step 119 vs 48 s at 16 layers; the whole 7B 258 s with
+            its entry compiled apart at -O1, `compiled.cpp_wrapper_options`, 506 s built whole: run16). Under "auto"
+            a C++ wrapper that cannot compile gives way to the Python one, with a warning (`compiled_step.cpp_failed`).
         fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
             (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs

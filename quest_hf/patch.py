@@ -242,7 +242,7 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
             (logger.info_once if asked else logger.warning_once)(
                 f"quest-hf: decode steps run uncaptured ({why}), the one-token forward through torch.compile "
                 f"({state.config.compile_backend}); the first step of each new batch size or capacity bucket compiles "
-                f"(minutes for a 7B model on an H200: about 2 with compile_wrapper='python', more with the C++ wrapper "
+                f"(minutes for a 7B model on an H200: about 2 with compile_wrapper='python', 4-5 with the C++ wrapper "
                 f"that is the CUDA default and runs each step faster; inductor's cache serves a later process); "
                 f"compile_step=False runs the steps eagerly instead")
         else:

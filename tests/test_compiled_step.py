@@ -77,9 +77,27 @@ def test_cpp_wrapper_gives_the_eager_tokens():
     assert torch.equal(_generate(model, ids, mask), eager)
     step = model._quest_state.compiled_step
     assert step.wrapper == "cpp" and step.failed is None and step.traced_calls == NEW - 1
+    assert step.options["cpp_wrapper_build_separate"] and step.options["aot_inductor.compile_wrapper_opt_level"] == "O1"
     patch_model(model, budget=32, page_size=16, dense_layers=1, compile_step=True)  # CPU default: Python wrapper
     assert torch.equal(_generate(model, ids, mask), eager)
     assert model._quest_state.compiled_step.wrapper == "python"
+
+
+def test_cpp_wrapper_options_keep_the_environments_choice(monkeypatch):
+    """The C++ wrapper's entry is compiled apart at -O1 unless the environment chose for inductor."""
+    import torch._inductor.config as inductor_config
+    from quest_hf.compiled import cpp_wrapper_options
+
+    for var in ("TORCHINDUCTOR_CPP_WRAPPER_BUILD_SEPARATE", "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL"):
+        monkeypatch.delenv(var, raising=False)
+    options = cpp_wrapper_options()
+    assert options == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
+                       "aot_inductor.compile_wrapper_opt_level": "O1"}
+    with inductor_config.patch(options):  # every key is one this torch's inductor knows (patch raises otherwise)
+        assert inductor_config.cpp_wrapper_build_separate and inductor_config.aot_inductor.compile_wrapper_opt_level == "O1"
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER_BUILD_SEPARATE", "0")
+    monkeypatch.setenv("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O2")
+    assert cpp_wrapper_options() == {"cpp_wrapper": True}
 
 
 def test_cpp_wrapper_failure_falls_back_to_the_python_wrapper(monkeypatch, caplog):
