@@ -86,6 +86,7 @@ def test_cpp_wrapper_gives_the_eager_tokens():
 def test_cpp_wrapper_options_keep_the_environments_choice(monkeypatch):
     """The C++ wrapper's entry is compiled apart at -O1 unless the environment chose for inductor."""
     import torch._inductor.config as inductor_config
+
     from quest_hf.compiled import cpp_wrapper_options
 
     for var in ("TORCHINDUCTOR_CPP_WRAPPER_BUILD_SEPARATE", "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL"):
