@@ -10,6 +10,7 @@ import torch
 import triton_kernels as tk
 from quest_hf import QuestCache, QuestConfig, QuestLayer, patch_model
 from quest_hf.cache import GROWTH_TOKENS
+from quest_hf.selectors import SELECTORS, QuestSelector, captured_policies, policy_names, register_selector
 
 from .conftest import left_padded_batch, tiny_model
 
@@ -105,20 +106,29 @@ def test_beams_and_sampling_run_the_same_step(single_thread):
     assert len(seen) == 4 * 2 and {b for _, b in seen} == {6}  # 4 decode steps x 2 sparse layers, 2 x 3 beams
 
 
+class _HostLengths(QuestSelector):
+    """A user's selector that reads host lengths: its steps cannot be captured."""
+    captured = False
+
+
 def test_cuda_graph_true_is_refused_where_it_cannot_capture():
     model = tiny_model("llama")
     ids, mask = left_padded_batch()
     patch_model(model, budget=32, cuda_graph=True)
     with pytest.raises(ValueError, match="cuda_graph=True cannot capture.*not on one CUDA device.*'auto' or False"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3)
-    for policy in ("qcode_topp", "qcode1_topp"):
-        cfg = QuestConfig(cuda_graph=True, policy=policy)  # the selector's rule: checked where the config is bound
+    register_selector("host_lengths", _HostLengths())
+    try:
+        cfg = QuestConfig(cuda_graph=True, policy="host_lengths")  # the selector's rule: checked where it is bound
         with pytest.raises(ValueError, match="cuda_graph=True captures the policies quest.*host lengths"):
             QuestCache(cfg, 2)
         with pytest.raises(ValueError, match="cuda_graph=True captures the policies quest.*host lengths"):
             patch_model(tiny_model("llama"), config=cfg)
-    QuestCache(QuestConfig(cuda_graph=True, policy="streaming"), 2)
-    QuestCache(QuestConfig(cuda_graph=True, policy="oracle"), 2)
+    finally:
+        SELECTORS.pop("host_lengths")
+    for policy in ("streaming", "oracle", "qcode_topp", "qcode1_topp"):  # every built-in policy is captured
+        QuestCache(QuestConfig(cuda_graph=True, policy=policy), 2)
+    assert set(captured_policies()) == set(policy_names())
 
 
 def test_auto_on_cpu_says_the_step_runs_eagerly():

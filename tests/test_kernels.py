@@ -379,6 +379,27 @@ def test_top_p_mask_matches_reference(P):
         tk.top_p_mask(s, 0.0, 16)
 
 
+@pytest.mark.parametrize("P, S", [(40, 16), (301, 8)])
+def test_top_p_mask_at_the_device_position(P, S):
+    # Rows over a whole allocation (captured top-p): the page at pos is the one always kept, and the pages after it
+    # (no mass) change nothing: the kept set equals that of the row cut at the current page.
+    g = torch.Generator().manual_seed(P)
+    s = torch.randn(2, 3, P, generator=g) * 3
+    for L in (1, S, S + 1, 5 * S - 3):
+        cur = (L - 1) // S
+        row = s.clone()
+        row[..., cur + 1:] = float("-inf")
+        pos = torch.tensor(L, device=DEV)
+        for p in (0.5, 0.9):
+            want = tk.top_p_mask_ref(row[..., :cur + 1].to(DEV), p, 8)
+            for fn in (tk.top_p_mask_ref, tk.top_p_mask):
+                got = fn(row.to(DEV), p, 8, pos=pos, page_size=S)
+                assert (got[..., cur] == float("inf")).all() and (got[..., cur + 1:] == float("-inf")).all()
+                assert torch.equal(got[..., :cur + 1], want), (fn.__name__, L, p)
+    with pytest.raises(ValueError, match="pos must be one integer tensor"):
+        tk.top_p_mask_ref(s.to(DEV), 0.5, 8, pos=torch.tensor(3, device=DEV))  # no page_size
+
+
 def test_topk_all_scores_equal_takes_lowest_ids():
     s = torch.zeros(1, 2, 5000)
     s[0, 1, :100] = float("-inf")

@@ -237,9 +237,7 @@ def test_registering_after_building_the_config_makes_the_same_config_usable():
                                               "the key-dtype bounds: use bounds='key_dtype' or policy='quest'"),
     (dict(reselect_every=3, policy="qcode"), "reselect_every=3 is supported by policy 'quest' only, got policy "
                                              "'qcode'; use reselect_every=1 or policy='quest'"),
-    (dict(cuda_graph=True, policy="qcode_topp"), "cuda_graph=True captures the policies quest, .*got "
-                                                 "policy='qcode_topp' .*use cuda_graph='auto' or False"),
-], ids=["unknown-policy", "budget-pages", "layer-budget-pages", "int8-bounds", "reuse", "cuda-graph"])
+], ids=["unknown-policy", "budget-pages", "layer-budget-pages", "int8-bounds", "reuse"])
 def test_selector_checks_fire_where_the_config_is_bound(settings, match):
     cfg = QuestConfig(**settings)  # each is the selector's rule: the config itself builds
     model = patch_model(tiny_model("llama", layers=2), budget=32)

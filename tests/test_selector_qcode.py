@@ -146,6 +146,62 @@ def test_code_scores_blocks(variant, bits, D, block_p, num_warps, ws, mode, S):
     assert_close(mine[fin], ref[fin], F32)
 
 
+@pytest.mark.parametrize("variant", ["words", "bytes"])
+@pytest.mark.parametrize("bits, S, lengths, extra", [(2, 16, (70, 30), 3), (1, 8, (64, 17), 0), (4, 16, (33,), 15)])
+def test_lse_scores_at_the_device_position_equal_the_host_lengths(variant, bits, S, lengths, extra, monkeypatch):
+    """Top-p's captured scores: over the whole allocation with pos=, each page's log mass equals the host-length
+    scores' (the current page exact from its keys, whether partial or just completed), every later page -inf;
+    the kernels match the reference (NaN-poisoned outputs)."""
+    D, Hq, Hkv = 32, 6, 2
+    B = len(lengths)
+    _, layer = filled_layer(B, Hkv, D, S, lengths, F16, extra=extra, seed=bits)
+    L, C = layer.seq_len, layer.capacity
+    codes = torch.full((B, Hkv, C, D * bits // 8), 0x5A, dtype=torch.uint8)  # stale bytes past the written pages
+    tk.encode_codes_ref(layer.keys, layer.kmin, layer.kmax, codes, 0, L // S, bits)
+    q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(4)).to(F16)
+    common = (q, layer.keys, layer.kmin, layer.kmax, codes, layer.valid)
+    host = tk.code_scores_ref(*common, L, S, 0, bits, "lse", D ** -0.5)
+    pos = torch.tensor(L)
+    ref = tk.code_scores_ref(*common, C, S, 0, bits, "lse", D ** -0.5, pos=pos)
+    P = host.shape[-1]
+    assert ref.shape[-1] == C // S > P and (ref[..., P:] == float("-inf")).all()
+    fin = host.isfinite()
+    assert torch.equal(fin, ref[..., :P].isfinite()) and fin[..., P - 1].all()
+    assert_close(ref[..., :P][fin], host[fin], F32)
+    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
+    mine = tk.code_scores(*common, C, S, 0, bits, "lse", D ** -0.5, pos=pos, launch=CodeScoreLaunch(variant=variant))
+    monkeypatch.undo()
+    fin = ref.isfinite()
+    assert torch.equal(fin, mine.isfinite()) and torch.equal(ref[~fin], mine[~fin])
+    assert_close(mine[fin], ref[fin], F32)
+    with pytest.raises(ValueError, match="pos= with mode='lse' scores whole rows"):
+        tk.code_scores_ref(*common, C, S, 0, bits, "lse", 1.0, torch.zeros(B, Hq, 1, dtype=torch.int32), pos=pos)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["qcode_topp", "qcode1_topp"])
+def test_topp_selection_at_the_device_position_equals_the_host_lengths(name, backend):
+    """The top-p selectors choose over the whole allocation from the device position (capturable) the pages the
+    host-length rule chooses: scores over ceil(seq_len / S) pages, the last one the current page."""
+    S, D = 16, 32
+    cache, layer = filled_layer(2, 2, D, S, (150, 90), F32, extra=5, backend=backend)
+    for budget in (32, 64, 256):
+        cfg = dataclasses.replace(layer.config, budget=budget, policy=name)
+        lay = cache.copy(cfg).layers[0]
+        sel = SELECTORS[name]
+        g = torch.Generator().manual_seed(budget)
+        q = torch.randn(2, 6, D, generator=g) * 3
+        got = sel.select(lay, q, 0)
+        codes = lay.side[sel.key]
+        host = tk.code_scores_ref(q, lay.keys, lay.kmin, lay.kmax, codes, lay.valid, lay.seq_len, S, 0, sel.bits,
+                                  "lse", D ** -0.5)
+        want = tk.topk_pages_ref(tk.top_p_mask_ref(host, sel.top_p, cfg.num_pages), cfg.num_pages, 3)
+        for b in range(2):
+            for h in range(2):
+                assert set(got[b, h][got[b, h] >= 0].tolist()) == set(want[b, h][want[b, h] >= 0].tolist()), \
+                    (budget, b, h)
+
+
 def test_codes_track_keys_better_than_the_bound():
     """2-bit codes on the page grid estimate q.k within a quarter of the page's range per channel."""
     _, layer = filled_layer(1, 2, 64, 16, (256,), F32)

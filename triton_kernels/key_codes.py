@@ -203,12 +203,13 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
     tensor: only the listed pages' entries and the current page's are written, the rest is left as it is
     (e.g. `-inf` from `topk_pages(..., mask_rest=True)`).
 
-    `pos` (optional, `mode="max"`; one integer on q's device: the captured step's write position): page
-    `(pos - 1) // S`, whose codes are not written yet, scores `+inf` too (where it is scored: with `pages`,
-    when listed).
+    `pos` (optional; one integer on q's device: the captured step's filled length): page `(pos - 1) // S`,
+    whose codes are not written yet, scores `+inf` too under `mode="max"` (where it is scored: with `pages`, when
+    listed), and its exact log mass from its keys under `mode="lse"` (whole rows only), as page `P - 1` does: rows
+    over a whole allocation (`seq_len` its capacity) with no host length.
     """
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
-    _check_code_pos(pos, mode, q.device)
+    _check_code_pos(pos, mode, q.device, pages)
     if pages is not None:
         out = _listed_code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits,
                                       mode, scale, _check_pages(pages, B, G * H), _check_out(out, B, G * H, P), P)
@@ -231,8 +232,11 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
     if bits == 1:  # two levels: the centres of the page's lower and upper half, not its corners
         lo, step = lo + 0.25 * step, 0.5 * step
     k_est = lo.repeat_interleave(S, 2) + c * step.repeat_interleave(S, 2)  # [B, H, N, D]
-    cur = slice((P - 1) * S, N)
-    k_est[:, :, cur] = k_cache[:, :, cur].float()
+    slot_page = torch.arange(N, device=q.device) // S
+    exact = slot_page == P - 1  # the current page's codes are not written: its exact keys
+    if pos is not None and mode == "lse":
+        exact = exact | (slot_page == torch.div(pos.reshape(1) - 1, S, rounding_mode="floor"))
+    k_est = torch.where(exact[:, None], k_cache[:, :, :N].float(), k_est)
     s = torch.einsum("bhgd,bhnd->bhgn", q.float().reshape(B, H, G, D), k_est)
     slot = torch.arange(N, device=q.device)
     ok = valid[:, :N] & (slot < seq_len) & (slot >= window_start)
@@ -242,16 +246,17 @@ def code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_siz
         out[..., P - 1] = float("inf")
     else:
         out = torch.logsumexp(s * scale, -1)
-    if pos is not None:
+    if pos is not None and mode == "max":
         out.index_fill_(-1, torch.div(pos - 1, page_size, rounding_mode="floor").view(1), float("inf"))
     return out.reshape(B, H * G, P)
 
 
-def _check_code_pos(pos, mode, device):
+def _check_code_pos(pos, mode, device, pages=None):
     if pos is None:
         return
-    if mode != "max":
-        raise ValueError(f"pos= forces the current page to +inf, which only mode='max' scores mean; got {mode!r}")
+    if mode == "lse" and pages is not None:
+        raise ValueError("pos= with mode='lse' scores whole rows (pages=None): the current page's exact mass "
+                         "is found from the device position")
     if pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != device:
         raise ValueError(f"pos must be one integer tensor on {device}, got {pos.dtype} {tuple(pos.shape)} on {pos.device}")
 
@@ -311,12 +316,12 @@ def _listed_code_scores_ref(q, k_cache, kmin, kmax, codes, valid, seq_len, page_
 
 
 @triton.jit
-def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN, WINDOW_START, scale,
-                  D: tl.constexpr, PAGE: tl.constexpr, USE_LSE: tl.constexpr):
-    """Page P - 1, whose codes are not written yet: +inf, or its exact log mass from the keys."""
+def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, stride_vac, I_PAGE, SEQ_LEN, WINDOW_START,
+                  scale, D: tl.constexpr, PAGE: tl.constexpr, USE_LSE: tl.constexpr):
+    """Page I_PAGE, whose codes are not written yet: +inf, or its exact log mass from the keys."""
     if USE_LSE:
         o_d = tl.arange(0, D)
-        o_slot = (P - 1) * PAGE + tl.arange(0, PAGE)
+        o_slot = I_PAGE * PAGE + tl.arange(0, PAGE)
         m_in = o_slot < SEQ_LEN
         b_k = tl.load(p_k + o_slot[:, None] * stride_kc + o_d[None, :] * stride_kd, mask=m_in[:, None],
                       other=0.0).to(tl.float32)
@@ -333,11 +338,29 @@ def _current_page(p_q, p_k, p_val, p_out, stride_qd, stride_kc, stride_kd, strid
 
 
 @triton.jit
-def _force_pos(b_out, o_p, pos_ptr, PAGE: tl.constexpr, HAS_POS: tl.constexpr):
-    """+inf at the page of the captured step's last written token (read on the device), whose codes are unwritten."""
+def _force_pos(b_out, m_p, o_p, pos_ptr, PAGE: tl.constexpr, HAS_POS: tl.constexpr, USE_LSE: tl.constexpr):
+    """The page of the captured step's last written token (read on the device), whose codes are unwritten: +inf
+    (max), or left to the current-page program, which stores its exact mass (lse). Returns (scores, store mask)."""
     if HAS_POS:
-        b_out = tl.where(o_p == (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE, float("inf"), b_out)
-    return b_out
+        m_cur = o_p == (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE
+        if USE_LSE:
+            m_p = m_p & ~m_cur
+        else:
+            b_out = tl.where(m_cur, float("inf"), b_out)
+    return b_out, m_p
+
+
+@triton.jit
+def _current_pages(p_q, p_k, p_val, p_out, pos_ptr, stride_qd, stride_kc, stride_kd, stride_vac, stride_op, P, SEQ_LEN,
+                   WINDOW_START, scale, D: tl.constexpr, PAGE: tl.constexpr, USE_LSE: tl.constexpr,
+                   HAS_POS: tl.constexpr):
+    """The extra program of a row: page P - 1, and under lse with a device position the page it is in."""
+    _current_page(p_q, p_k, p_val, p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P - 1,
+                  SEQ_LEN, WINDOW_START, scale, D, PAGE, USE_LSE)
+    if HAS_POS and USE_LSE:
+        i_cur = (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE
+        _current_page(p_q, p_k, p_val, p_out + i_cur * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, i_cur,
+                      SEQ_LEN, WINDOW_START, scale, D, PAGE, USE_LSE)
 
 
 @triton.jit
@@ -382,9 +405,9 @@ def _code_scores_kernel(
     i_pb = tl.program_id(1)
     i_b, i_q, i_h, p_q, p_out = _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G)
     if i_pb == N_BLOCKS:
-        _current_page(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab,
-                      p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN,
-                      WINDOW_START, scale, D, PAGE, USE_LSE)
+        _current_pages(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab, p_out, pos_ptr,
+                       stride_qd, stride_kc, stride_kd, stride_vac, stride_op, P, SEQ_LEN, WINDOW_START, scale, D,
+                       PAGE, USE_LSE, HAS_POS)
     else:
         # BLOCK_P complete pages (all before P - 1). Codes are read as bytes [PAGE, BLOCK_P, NB] (NB = D / PER
         # bytes a token) and never expanded to channels: code k of byte j is channel PER * j + k, so for each k
@@ -434,7 +457,7 @@ def _code_scores_kernel(
             b_out = tl.where(b_m > float("-inf"), b_safe + tl.log(tl.maximum(b_l, 1.0)), float("-inf"))
         else:
             b_out = tl.max(tl.where(m_tok, b_s, float("-inf")), axis=0)
-        b_out = _force_pos(b_out, o_p, pos_ptr, PAGE, HAS_POS)
+        b_out, m_p = _force_pos(b_out, m_p, o_p, pos_ptr, PAGE, HAS_POS, USE_LSE)
         tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
 
 
@@ -478,9 +501,9 @@ def _code_scores_words_kernel(
     i_pb = tl.program_id(1)
     i_b, i_q, i_h, p_q, p_out = _query_row(q_ptr, out_ptr, stride_qb, stride_qh, stride_ob, stride_oh, H_Q, G)
     if i_pb == N_BLOCKS:
-        _current_page(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab,
-                      p_out + (P - 1) * stride_op, stride_qd, stride_kc, stride_kd, stride_vac, P, SEQ_LEN,
-                      WINDOW_START, scale, D, PAGE, USE_LSE)
+        _current_pages(p_q, k_ptr + i_b * stride_kb + i_h * stride_kh, valid_ptr + i_b * stride_vab, p_out, pos_ptr,
+                       stride_qd, stride_kc, stride_kd, stride_vac, stride_op, P, SEQ_LEN, WINDOW_START, scale, D,
+                       PAGE, USE_LSE, HAS_POS)
     else:
         CPW: tl.constexpr = 32 // BITS  # codes a word
         NW2: tl.constexpr = D // (2 * CPW)  # word pairs a token
@@ -573,7 +596,7 @@ def _code_scores_words_kernel(
         if CH > 1:  # every unit of a page holds its id and mask: keep one a page
             o_p = tl.max(tl.reshape(o_p, [BLOCK_P, CH]), axis=1)
             m_p = tl.max(tl.reshape(m_p.to(tl.int32), [BLOCK_P, CH]), axis=1) != 0
-        b_out = _force_pos(b_out, o_p, pos_ptr, PAGE, HAS_POS)
+        b_out, m_p = _force_pos(b_out, m_p, o_p, pos_ptr, PAGE, HAS_POS, USE_LSE)
         tl.store(p_out + o_p * stride_op, b_out, mask=m_p)
 
 
@@ -625,7 +648,7 @@ def code_scores(q, k_cache, kmin, kmax, codes, valid, seq_len: int, page_size: i
     """
     require_triton()
     B, H, G, D, P = _check_score(q, k_cache, kmin, kmax, codes, valid, seq_len, page_size, window_start, bits, mode)
-    _check_code_pos(pos, mode, q.device)
+    _check_code_pos(pos, mode, q.device, pages)
     if D & (D - 1) or D < 16:
         raise ValueError(f"the Triton path needs a power-of-two head_dim >= 16, got {D}")
     if kmin.stride() != kmax.stride():

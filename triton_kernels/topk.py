@@ -585,18 +585,28 @@ def _chunked_union(scores, thr, need, out, group, launch, due=None):
 
 # ------------------------------------------------------------------------------------------- top-p mask
 
-def top_p_mask_ref(log_mass, top_p: float, k: int):
+def _check_top_p(log_mass, top_p, k, pos, page_size):
+    if log_mass.dim() != 3 or log_mass.dtype != torch.float32:
+        raise ValueError(f"log_mass must be fp32 [B, R, P], got {log_mass.dtype} {tuple(log_mass.shape)}")
+    if not 0.0 < top_p <= 1.0 or k < 1:
+        raise ValueError(f"need 0 < top_p <= 1 and k >= 1, got top_p={top_p}, k={k}")
+    if pos is not None and (pos.numel() != 1 or pos.dtype.is_floating_point or pos.device != log_mass.device
+                            or not isinstance(page_size, int) or page_size < 1):
+        raise ValueError(f"pos must be one integer tensor on {log_mass.device} with an int page_size >= 1, got "
+                         f"{pos.dtype} {tuple(pos.shape)} on {pos.device}, page_size={page_size!r}")
+
+
+def top_p_mask_ref(log_mass, top_p: float, k: int, pos=None, page_size: int | None = None):
     """Scores `[B, R, P]` for `topk_pages` that keep, per row, the fewest pages whose mass reaches `top_p`.
 
     `log_mass` fp32 `[B, R, P]`: each page's log attention mass (`-inf`: never chosen), the last page the
     current one (always kept: `+inf` in the result). A page is kept when its mass is at least that of the
     page completing `top_p` of the row's total (ties kept); `topk_pages(result, k)` then caps it at `k`
     (`k` is only validated here: capping before or after choosing gives the same pages).
+    `pos` (optional; one integer on the device: the captured step's filled length) with `page_size`: the current
+    page is `(pos - 1) // page_size` instead of the last (rows over a whole allocation; no host sync).
     """
-    if log_mass.dim() != 3 or log_mass.dtype != torch.float32:
-        raise ValueError(f"log_mass must be fp32 [B, R, P], got {log_mass.dtype} {tuple(log_mass.shape)}")
-    if not 0.0 < top_p <= 1.0 or k < 1:
-        raise ValueError(f"need 0 < top_p <= 1 and k >= 1, got top_p={top_p}, k={k}")
+    _check_top_p(log_mass, top_p, k, pos, page_size)
     mass = torch.softmax(log_mass, dim=-1)
     srt = mass.sort(-1, descending=True).values
     before = srt.cumsum(-1) - srt  # mass of the better pages
@@ -604,14 +614,17 @@ def top_p_mask_ref(log_mass, top_p: float, k: int):
     thr = srt.gather(-1, need - 1)
     keep = (mass >= thr) & (mass > 0)
     out = torch.where(keep, log_mass, float("-inf"))
-    out[..., -1] = float("inf")
+    if pos is None:
+        out[..., -1] = float("inf")
+    else:
+        out.index_fill_(-1, torch.div(pos.reshape(1) - 1, page_size, rounding_mode="floor"), float("inf"))
     return out
 
 
 @triton.jit
 def _top_p_mask_kernel(
-    s_ptr, out_ptr, stride_sr, stride_sp, stride_or, stride_op, P, top_p,
-    BLOCK_P: tl.constexpr,
+    s_ptr, out_ptr, pos_ptr, stride_sr, stride_sp, stride_or, stride_op, P, top_p,
+    BLOCK_P: tl.constexpr, PAGE: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     top_p = tl.cast(top_p, tl.float32)  # inductor passes a Python float as fp64
     i_r = tl.program_id(0).to(tl.int64)
@@ -638,19 +651,20 @@ def _top_p_mask_kernel(
         i_lo = i_lo + i_digit * i_d
     keep = (b_key >= i_lo) & (b_w > 0)
     b_out = tl.where(keep, b_s, float("-inf"))
-    b_out = tl.where(o_p == P - 1, float("inf"), b_out)
+    if HAS_POS:  # the current page from the device position (rows over a whole allocation)
+        i_cur = (tl.load(pos_ptr).to(tl.int32) - 1) // PAGE
+    else:
+        i_cur = P - 1
+    b_out = tl.where(o_p == i_cur, float("inf"), b_out)
     tl.store(out_ptr + i_r * stride_or + o_p * stride_op, b_out, mask=m_p)
 
 
-def top_p_mask(log_mass, top_p: float, k: int):
+def top_p_mask(log_mass, top_p: float, k: int, pos=None, page_size: int | None = None):
     """Triton twin of `top_p_mask_ref` (one program per row; rows up to 16384 pages). The mass sums are
     reduced in another order than the reference's sorted cumsum: a page whose cumulative mass lands within
     float rounding of `top_p` may be kept by one and not the other."""
     require_triton()
-    if log_mass.dim() != 3 or log_mass.dtype != torch.float32:
-        raise ValueError(f"log_mass must be fp32 [B, R, P], got {log_mass.dtype} {tuple(log_mass.shape)}")
-    if not 0.0 < top_p <= 1.0 or k < 1:
-        raise ValueError(f"need 0 < top_p <= 1 and k >= 1, got top_p={top_p}, k={k}")
+    _check_top_p(log_mass, top_p, k, pos, page_size)
     B, R, P = log_mass.shape
     if P > 16384:
         raise ValueError(f"top_p_mask takes rows of at most 16384 pages, got {P}")
@@ -658,6 +672,7 @@ def top_p_mask(log_mass, top_p: float, k: int):
     out = torch.empty(B, R, P, dtype=torch.float32, device=log_mass.device)
     o = out.view(B * R, P)
     block = max(16, next_pow2(P))
-    _top_p_mask_kernel[(B * R,)](s, o, s.stride(0), s.stride(1), o.stride(0), o.stride(1), P, float(top_p),
-                                 BLOCK_P=block, num_warps=max(1, min(8, block // 512)))
+    _top_p_mask_kernel[(B * R,)](s, o, pos if pos is not None else o, s.stride(0), s.stride(1), o.stride(0),
+                                 o.stride(1), P, float(top_p), BLOCK_P=block, PAGE=page_size or 1,
+                                 HAS_POS=pos is not None, num_warps=max(1, min(8, block // 512)))
     return out

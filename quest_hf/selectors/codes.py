@@ -38,7 +38,8 @@ class QCodeSelector(Selector):
         bits: 1, 2 (default) or 4 bits per channel and token (2 bits at fp16, page_size 16: as many bytes
             as Quest's min/max metadata).
         top_p: None (fixed budget) or a mass in (0, 1]: adaptive budget, at most `budget // page_size`
-            pages per query head. Its scores need the host length, so its decode steps run uncaptured.
+            pages per query head. Its log masses are scored over the whole allocation, the current page's exact
+            from the device position, so its decode steps are captured like the fixed budget's.
     """
 
     def __init__(self, bits: int = 2, top_p: float | None = None):
@@ -48,7 +49,7 @@ class QCodeSelector(Selector):
             raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         self.bits, self.top_p = bits, top_p
         self.key = f"qcode{bits}"
-        self.captured = top_p is None
+        self.captured = True
 
     def __repr__(self):
         return f"{type(self).__name__}(bits={self.bits}, top_p={self.top_p})"
@@ -98,10 +99,13 @@ class QCodeSelector(Selector):
         cfg, S = layer.config, layer.page_size
         score, mask = layer.ops.code_scores, layer.ops.top_p_mask
         group = q.shape[1] // layer.keys.shape[1]
-        if self.top_p is not None:  # host length: the current page is the last of ceil(seq_len / S)
-            s = score(q, layer.keys, layer.kmin, layer.kmax, self._codes(layer), layer.valid, layer.seq_len, S, 0,
-                      self.bits, "lse", q.shape[-1] ** -0.5)
-            return top_pages(layer, mask(s, self.top_p, cfg.num_pages), group, cfg.num_pages)
+        if self.top_p is not None:
+            # Log masses over the allocation (unwritten pages have none: -inf); the current page's mass is exact,
+            # from its keys, at the device position, and that page is always kept.
+            s = score(q, layer.keys, layer.kmin, layer.kmax, self._codes(layer), layer.valid, layer.keys.shape[2], S, 0,
+                      self.bits, "lse", q.shape[-1] ** -0.5, pos=layer.pos)
+            return top_pages(layer, mask(s, self.top_p, cfg.num_pages, pos=layer.pos, page_size=S), group,
+                             cfg.num_pages)
         # The current page's codes are not written yet: pos= scores it +inf (and the spare page: + 1 page).
         s = score(q, layer.keys, layer.kmin, layer.kmax, self._codes(layer), layer.valid, layer.keys.shape[2], S, 0,
                   self.bits, "max", q.shape[-1] ** -0.5, pos=layer.pos)

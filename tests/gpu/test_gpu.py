@@ -100,6 +100,10 @@ def _run(model, ids, cuda_graph, options=None, **kw):
     pytest.param("llama", dict(do_sample=True, top_k=20), id="sampling-seeded"),
     pytest.param("llama", dict(do_sample=False, num_beams=3), id="beams3"),
     pytest.param("mistral", dict(do_sample=False), id="sliding-window-past-it"),
+    pytest.param("llama", dict(do_sample=False, options=dict(budget=64, page_size=16, policy="qcode_topp")),
+                 id="top-p-codes"),
+    pytest.param("llama", dict(do_sample=False, options=dict(budget=64, page_size=16, policy="qcode1_topp")),
+                 id="top-p-codes-1bit"),
 ])
 def test_captured_step_gives_the_eager_steps_tokens(models, family, kw):
     model = models[family]
