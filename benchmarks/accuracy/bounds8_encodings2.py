@@ -17,6 +17,8 @@ calls: the score of the emulated bounds >= the exact max q.k over each page's ke
          saturated code keeps its fp16 bounds instead (a per-page flag + an fp16 side table for those pages).
   a8g8   per page and group of 8 channels an fp16 offset (the group's min, rounded down) and fp16 step (range/255,
          rounded up): uint8 lo/hi codes, lo rounded down, hi up.
+  pce8   pc8 without the fallback: a saturating page's codes on its per-channel scales times 2^e (e >= 0 the page's
+         smallest exponent that fits every code; one byte a page).
   pcg16  per-channel normalisation by pc8's s_c, then g16 (bounds8_encodings.py: one fp32 scale per page and 16
          channels, lo/hi int8 codes on it, outward). No saturation: the page scale adapts.
   pccr8  per-channel normalisation by s_c, then cr8 (bounds8_encodings.py: int8 centre on one fp32 scale, uint8
@@ -86,6 +88,22 @@ def enc_pc8(lo, hi, empty, layer):
     STATS["saturated_pages"] += int(sat.sum())
     f_lo, f_hi = enc_fp16(lo, hi, empty, layer)
     return torch.where(sat, f_lo, lq * s), torch.where(sat, f_hi, hq * s)
+
+
+def enc_pce8(lo, hi, empty, layer):
+    """pc8 without the fp16 fallback: the codes of a page whose bounds leave the prefill's range sit on its per-channel
+    scales times 2^e, e >= 0 the page's smallest exponent that keeps every code within +-127 (one byte a page)."""
+    s = channel_scale(layer, lo, hi)
+    e = torch.zeros_like(lo[..., :1])
+    for _ in range(64):
+        se = s * torch.exp2(e)
+        lq, hq = floor_code(lo, se), ceil_code(hi, se)
+        over = ((lq < -127) | (hq > 127)).any(-1, keepdim=True) & ~empty
+        if not bool(over.any()):
+            break
+        e = e + over.double()
+    STATS["saturated_pages"] += int(((e > 0) & ~empty).sum())
+    return lq * se, hq * se
 
 
 def enc_a8g8(lo, hi, empty, layer, gs=8):
@@ -166,7 +184,7 @@ def enc_i8(lo, hi, empty, layer):
     return floor_code(lo, s) * s, ceil_code(hi, s) * s
 
 
-ENCODINGS = dict(fp16=enc_fp16, pc8=enc_pc8, a8g8=enc_a8g8, pcg16=enc_pcg16, pccr8=enc_pccr8, i8=enc_i8,
+ENCODINGS = dict(fp16=enc_fp16, pc8=enc_pc8, pce8=enc_pce8, a8g8=enc_a8g8, pcg16=enc_pcg16, pccr8=enc_pccr8, i8=enc_i8,
                  mu15=enc_mu15, mu63=enc_mu63)
 
 
