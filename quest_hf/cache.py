@@ -9,8 +9,10 @@ information (which new tokens are padding) handed from the model's forward to th
     valid         [B, C + S] bool            False for padding and unwritten slots
     pos           int64 scalar on the device  the write position (= seq_len, the host mirror)
     kmin8, kmax8  [B, H_kv, (C + S) // S, D] int8, with kscale fp32 [B, H_kv, (C + S) // S]: QuestConfig(bounds=
-                  "int8")'s 8-bit bounds (triton_kernels/bounds8.py), requantized from kmin/kmax after each
-                  append (the written page only on a decode step); None under bounds="key_dtype"
+                  "int8" / "int8_channel")'s 8-bit bounds (triton_kernels/bounds8.py), requantized from kmin/kmax
+                  after each append (the written page only on a decode step); None under bounds="key_dtype"
+    kchan         [H_kv, D] fp32: bounds="int8_channel"'s channel scales, set from the first keys stored (the
+                  prefill) and kept until reset; None otherwise
 
 `C` (`layer.max_tokens`; `layer.capacity` is `C + S`) is what `generate()` will need (prompt + new tokens)
 or, for a cache driven by hand, what it has seen so far plus one growth step; a sequence that outgrows it is
@@ -124,6 +126,9 @@ class QuestLayer(CacheLayerMixin):
         self.side: dict[str, torch.Tensor] = {}
         self.side_state: dict = {}
         self.kmin8 = self.kmax8 = self.kscale = None
+        self.kchan: torch.Tensor | None = None
+        self.chan_ready = False  # kchan holds the scales of this sequence's first keys (False: set at the next append)
+        self.bounds_kind: str | None = None  # the `bounds` setting the 8-bit codes were quantized for
         # Selection reuse (QuestConfig.reselect_every > 1), on the device (triton_kernels/reuse.py): "ids" (the stored
         # selection, [B, H_kv, K]), "since" (the position it was chosen at), "step" (steps since), "due" (int32: this
         # step chooses). Reordered with beams; made due in place by growth, crop and reset.
@@ -210,7 +215,11 @@ class QuestLayer(CacheLayerMixin):
                 grown = t.new_zeros(t.shape[0], t.shape[1], cap, *t.shape[3:])
                 grown[:, :, :n] = t[:, :, :n]
                 self.side[name] = grown
-        bounds8 = tk.bounds8.empty_bounds8(B, H, cap // S, D, dev) if self.config.bounds == "int8" else None
+        bounds8 = tk.bounds8.empty_bounds8(B, H, cap // S, D, dev) if self.config.bounds != "key_dtype" else None
+        if bounds8 is not None:
+            self.bounds_kind = self.config.bounds
+        if self.config.bounds == "int8_channel" and self.kchan is None:
+            self.kchan = torch.ones(H, D, dtype=torch.float32, device=dev)  # set from the first keys stored
         if bounds8 is not None and self.kmin8 is not None:
             p = -(-self.seq_len // S)
             for new, old in zip(bounds8, (self.kmin8, self.kmax8, self.kscale)):
@@ -245,7 +254,7 @@ class QuestLayer(CacheLayerMixin):
         self.reserve(start + T)
         valid_new = self._step.get(T, self.device)
         # QuestConfig(bounds="int8"): the written pages' 8-bit codes, requantized inside the same append launch.
-        bounds8 = {} if self.kmin8 is None else dict(bounds8=(self.kmin8, self.kmax8, self.kscale))
+        bounds8 = self._bounds8_args(key_states, valid_new)
         if self.pager is not None:  # K/V to host memory, the metadata here (quest_hf/offload.py)
             paged = self.pager.append(self, key_states, value_states, valid_new, start)
         elif T == 1:  # the device position: no host value enters the step, so a graph replay stays right
@@ -269,11 +278,23 @@ class QuestLayer(CacheLayerMixin):
         no host length, so quest_hf.compiled traces it into its graph; `start` (the host length, -1 unknown) is
         only handed to the selector, which must not use it for one token."""
         valid_new = self._step.get(1, self.device)
-        bounds8 = {} if self.kmin8 is None else dict(bounds8=(self.kmin8, self.kmax8, self.kscale))
+        bounds8 = self._bounds8_args(key_states, valid_new)
         self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.kernel_valid(),
                                  key_states, value_states, valid_new, self.pos, **bounds8)
         self.pos += 1
         self.selector.on_append(self, key_states, start, valid_new)
+
+    def _bounds8_args(self, key_states: torch.Tensor, valid_new) -> dict:
+        """The append's `bounds8=` keyword: the 8-bit codes to requantize (and the channel scales, set here from the
+        first keys this sequence stores: device ops, so a compiled step may trace it), or none."""
+        if self.kmin8 is None:
+            return {}
+        if self.kchan is None:
+            return dict(bounds8=(self.kmin8, self.kmax8, self.kscale))
+        if not self.chan_ready:
+            tk.bounds8.channel_scales(key_states, None if valid_new is None else valid_new.bool(), out=self.kchan)
+            self.chan_ready = True
+        return dict(bounds8=(self.kmin8, self.kmax8, self.kscale, self.kchan))
 
     def kernel_valid(self) -> torch.Tensor:
         """`valid` as the decode kernels take it: itself, or while quest_hf.compiled traces a step over this layer its
@@ -296,16 +317,37 @@ class QuestLayer(CacheLayerMixin):
         cur = torch.div(self.pos - 1, S, rounding_mode="floor")
         return torch.where(ids <= cur, ids, -1).to(torch.int32).expand(B, H, n)
 
+    def bounds_stale(self) -> bool:
+        """Whether the 8-bit bounds do not match `config.bounds` (a cache filled or copied under another setting)."""
+        want = None if self.config.bounds == "key_dtype" else self.config.bounds
+        return self.is_initialized and (self.bounds_kind if self.kmin8 is not None else None) != want
+
     def sync_bounds(self) -> None:
         """Make the 8-bit bounds match `config.bounds` (after `QuestCache.copy` under another config): quantize every
-        page from kmin/kmax, or drop them."""
-        if self.config.bounds != "int8":
-            self.kmin8 = self.kmax8 = self.kscale = None
-        elif self.is_initialized and self.kmin8 is None:
+        page from kmin/kmax (channel scales from the stored pages' bounds: the same max |k| as from their keys), or
+        drop them."""
+        if self.config.bounds == "key_dtype":
+            self.kmin8 = self.kmax8 = self.kscale = self.kchan = None
+            self.chan_ready, self.bounds_kind = False, None
+        elif self.bounds_stale():
             B, H, P, D = self.kmin.shape
+            # Fresh tensors: a fork (QuestCache.copy, the evaluation helpers) may share the old ones with its source.
             self.kmin8, self.kmax8, self.kscale = tk.bounds8.empty_bounds8(B, H, P, D, self.kmin.device)
-            self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, 0, P)
+            if self.config.bounds == "int8_channel":
+                self.kchan = torch.ones(H, D, dtype=torch.float32, device=self.kmin.device)
+                self.chan_ready = self.seq_len > 0
+                if self.chan_ready:
+                    tk.bounds8.channel_scales_of_bounds(self.kmin, self.kmax, -(-self.seq_len // self.page_size),
+                                                        out=self.kchan)
+            else:
+                self.kchan, self.chan_ready = None, False
+            self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, 0, P,
+                                     **self._chan_kw())
+            self.bounds_kind = self.config.bounds
             self.allocations += 1
+
+    def _chan_kw(self) -> dict:
+        return {} if self.kchan is None else dict(chan=self.kchan)
 
     def reuse_due(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Selection reuse: the device flag (int32, set by the previous step's `reuse_pages`) of whether this decode
@@ -369,6 +411,8 @@ class QuestLayer(CacheLayerMixin):
                 if getattr(self, name) is not None:
                     setattr(self, name, fn(getattr(self, name)))
             self.side = {name: fn(t) for name, t in self.side.items()}
+            if self.kchan is not None:  # one per KV head and channel, not per sequence: only moved
+                self.kchan = self.kchan.to(self.keys.device)
             self.reuse = {}  # a new batch: chosen afresh at the next step
             self._shape = (self.keys.shape[0], *self._shape[1:])
             self._dense_ids = None
@@ -384,6 +428,7 @@ class QuestLayer(CacheLayerMixin):
                 self.kmin8.fill_(tk.bounds8.CODE_LO_EMPTY)
                 self.kmax8.fill_(tk.bounds8.CODE_HI_EMPTY)
                 self.kscale.zero_()
+            self.chan_ready = False  # the next sequence's first keys set the channel scales (in place)
             self.reselect()
             if self.rows is not None:  # in place: a captured step reads this table
                 self.rows.copy_(self._own_rows())
@@ -480,7 +525,8 @@ class QuestLayer(CacheLayerMixin):
         self.ops.append_kv(self.keys, self.values, self.kmin, self.kmax, self.valid,
                            keep_k, keep_v, keep_valid, start)
         if self.kmin8 is not None:  # the boundary page and every emptied one after it
-            self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, start // S, None)
+            self.ops.quantize_bounds(self.kmin, self.kmax, self.kmin8, self.kmax8, self.kscale, start // S, None,
+                                     **self._chan_kw())
         self.seq_len = new_len
         self.pos.fill_(new_len)
         self.reselect()

@@ -136,7 +136,7 @@ class _Meter:
         top = true_top_tokens(q, keys, layer.valid, self.topk, ws)
         P = -(-L // S)
         base = layer
-        if self.base.bounds == "int8" and self.base.policy != "oracle":  # quantized once, read by every budget
+        if self.base.bounds != "key_dtype" and self.base.policy != "oracle":  # quantized once, read by every budget
             base = self._view(layer, self.budgets[0])
             base.kmin8 = None
             base.sync_bounds()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 GQA_MODES = ("union", "max", "sum")
-BOUNDS = ("key_dtype", "int8")
+BOUNDS = ("key_dtype", "int8", "int8_channel")
 BACKENDS = ("auto", "torch", "triton")
 MAX_PAGE_SIZE = 256
 OFFLOAD_TARGETS = ("cpu",)  # QuestConfig.offload
@@ -126,6 +126,9 @@ class QuestConfig:
             head, min rounded down and max rounded up (triton_kernels/bounds8.py), so the score stays an upper bound
             of q.k; it reads 2 * head_dim + 4 bytes a page (about half). The exact key-dtype bounds are still kept
             (the open page is requantized from them after each append), so memory grows by that half.
+            `"int8_channel"`: the same bytes, codes on per-(KV head, channel) scales fixed from the prefill's keys
+            times a power of two a page (a page past the prefill's range takes a larger exponent, never clips):
+            each channel keeps its own step, so small channels are not coarsened by a page's largest one.
         reselect_every: 1 (default): pages are chosen at every decode step. `k > 1` (selection reuse, as in LServe):
             a sparse layer scores and chooses pages every `k` decode steps and reuses that choice in between, adding
             the pages started since it was made (no page read twice). The step counter and the stored choice live
@@ -230,7 +233,8 @@ class QuestConfig:
     def _check_bounds_and_reuse(self) -> None:
         if self.bounds not in BOUNDS:
             raise ValueError(f"unknown bounds {self.bounds!r}; choose 'key_dtype' (the default: min/max in the keys' "
-                             "dtype) or 'int8' (8-bit codes on one fp32 scale a page, about half the bytes)")
+                             "dtype), 'int8' (8-bit codes on one fp32 scale a page, about half the bytes) or "
+                             "'int8_channel' (8-bit codes on per-channel scales fixed at the prefill, the same bytes)")
         k = self.reselect_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"reselect_every must be an int >= 1 (1: choose pages at every decode step), got {k!r}")

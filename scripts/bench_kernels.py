@@ -79,10 +79,12 @@ class Step:
         self.scale = q.shape[-1] ** -0.5
         self.bounds, self.every = bounds, every
         self.pos = torch.tensor(self.L, device=q.device)  # the decode step's device position
-        self.bounds8 = None
-        if bounds == "int8":  # QuestConfig(bounds="int8"): codes + scale quantized from the exact bounds
+        self.bounds8 = self.chan = None
+        if bounds != "key_dtype":  # QuestConfig(bounds="int8"...): codes + scale quantized from the exact bounds
             self.bounds8 = tk.bounds8.empty_bounds8(*self.kmin.shape, q.device)
-            tk.quantize_bounds(self.kmin, self.kmax, *self.bounds8)
+            if bounds == "int8_channel":  # channel scales of the whole layer's keys (its prefill)
+                self.chan = tk.bounds8.channel_scales(self.kc)
+            tk.quantize_bounds(self.kmin, self.kmax, *self.bounds8, chan=self.chan)
         self.scores = self.score()
         self.ids = self.topk()
         if every > 1:  # the stored selection of QuestConfig(reselect_every): a due step's, reused
@@ -92,7 +94,7 @@ class Step:
     def score(self, due=None):
         lo, hi, kw = self.kmin, self.kmax, {}
         if self.bounds8 is not None:
-            lo, hi, kw = *self.bounds8[:2], dict(scale=self.bounds8[2])
+            lo, hi, kw = *self.bounds8[:2], dict(scale=self.bounds8[2], chan=self.chan)
         return tk.score_pages(self.q, lo, hi, self.L, PAGE, 0, self.reduce, due=due, launch=self.launch["score"], **kw)
 
     def topk(self):
@@ -334,7 +336,7 @@ def check_bounds_reuse(sizes=((32, 8, 128, 32768 + 5, 1), (32, 32, 128, 8192 + 3
     """The 8-bit bounds step and the reuse step against their references (quantize, int8 / flagged score, the
     reused selection's attention); `sizes` (H_q, H_kv, D, L, B). Raises on mismatch."""
     dev = DEV
-    variants = variants or [("int8", 1), ("key_dtype", 4), ("int8", 4)]
+    variants = variants or [("int8", 1), ("int8_channel", 1), ("key_dtype", 4), ("int8", 4)]
     for H_q, H_kv, D, L, B in sizes:
         L = L // PAGE * PAGE
         layer = make_layer(B, H_kv, L, D, torch.float16, 0)
@@ -344,9 +346,9 @@ def check_bounds_reuse(sizes=((32, 8, 128, 32768 + 5, 1), (32, 32, 128, 8192 + 3
                 st = Step(layer, q, 17, mode, bounds=bounds, every=every)
                 if st.bounds8 is not None:
                     ref8 = tk.bounds8.empty_bounds8(*st.kmin.shape, dev)
-                    tk.quantize_bounds_ref(st.kmin, st.kmax, *ref8)
+                    tk.quantize_bounds_ref(st.kmin, st.kmax, *ref8, chan=st.chan)
                     assert all(torch.equal(a, b) for a, b in zip(st.bounds8, ref8)), "int8 codes differ"
-                    lo, hi, kw = (*ref8[:2], dict(scale=ref8[2]))
+                    lo, hi, kw = (*ref8[:2], dict(scale=ref8[2], chan=st.chan))
                 else:
                     lo, hi, kw = st.kmin, st.kmax, {}
                 s_ref = tk.score_pages_ref(q, lo, hi, L, PAGE, 0, st.reduce, **kw)
@@ -421,8 +423,9 @@ def main(argv=None):
     ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
     ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
-    ap.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8"],
-                    help="page bounds of each row (QuestConfig.bounds; int8: 8-bit codes + a scale a page)")
+    ap.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8", "int8_channel"],
+                    help="page bounds of each row (QuestConfig.bounds; int8: 8-bit codes + a scale a page; "
+                         "int8_channel: on channel scales of the layer's keys times 2^e a page)")
     ap.add_argument("--reselect-every", type=int, nargs="+", default=[1], metavar="K",
                     help="rows choosing pages every K steps (QuestConfig.reselect_every): skip and amortised columns")
     ap.add_argument("--dry", action="store_true",

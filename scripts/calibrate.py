@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
     p.add_argument("--objective", default="error", choices=list(cal.METRICS),
                    help="what the allocation maximises (quest_hf.calibration.METRICS; default error)")
-    p.add_argument("--bounds", default="key_dtype", choices=["auto", "key_dtype", "int8"],
+    p.add_argument("--bounds", default="key_dtype", choices=["auto", "key_dtype", "int8", "int8_channel"],
                    help="page bounds of the calibrated configs (default key_dtype; auto: int8 where the policy reads "
                         "them; int8: fewer metadata bytes; the flat configs whose bytes are matched keep key_dtype)")
     p.add_argument("--out", default=None, help="JSON path (default results/calibrate/calibrate_<model>.json)")

@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--calibrated", default=None, metavar="JSON",
                    help="also run the per-layer configs of scripts/calibrate.py's JSON (in their flat budget's column)")
     p.add_argument("--calibrated-budgets", type=int, nargs="+", default=None, help="only these calibrated configs")
-    p.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8"],
+    p.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8", "int8_channel"],
                    help="quest rows with these page bounds (QuestConfig.bounds; int8: 8-bit codes, ~half the bytes)")
     p.add_argument("--reselect-every", type=int, nargs="+", default=[1], metavar="K",
                    help="quest rows choosing pages every K decode steps (QuestConfig.reselect_every; 1: every step)")

@@ -40,8 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dense-layers", type=int, default=2)
     p.add_argument("--gqa-mode", default="union", choices=["union", "max", "sum"])
-    p.add_argument("--bounds", default="key_dtype", choices=["key_dtype", "int8"],
-                   help="int8: also decode every quest budget with 8-bit page bounds (QuestConfig.bounds)")
+    p.add_argument("--bounds", default="key_dtype", choices=["key_dtype", "int8", "int8_channel"],
+                   help="int8 / int8_channel: also decode every quest budget with these 8-bit page bounds "
+                        "(QuestConfig.bounds)")
     p.add_argument("--reselect-every", type=ints, default=[], metavar="K,...",
                    help="also decode every quest budget choosing pages every K steps (QuestConfig.reselect_every)")
     p.add_argument("--calibrated", default=None, metavar="JSON", nargs="+",
@@ -54,7 +55,7 @@ def parse_args(argv=None):
 
 def variants(args) -> list[dict]:
     """The quest settings decoded besides the plain rows: 8-bit bounds, then each reuse interval."""
-    out = [dict(bounds="int8")] if args.bounds == "int8" else []
+    out = [dict(bounds=args.bounds)] if args.bounds != "key_dtype" else []
     return out + [dict(reselect_every=k) for k in args.reselect_every if k != 1]
 
 
@@ -146,7 +147,7 @@ def main(argv=None):
         f"gqa_mode {report['gqa_mode']}. The dense row decodes the same way with a budget covering everything "
         "(HF SDPA in every layer). Calibrated rows (`calibrated quest =B`): per-layer budgets and dense layers "
         "from scripts/calibrate.py at the bytes per step of flat budget B (calibration text: other tokens of the "
-        "same built-in text). `quest bounds=int8 B`: 8-bit page bounds (QuestConfig.bounds); "
+        "same built-in text). `quest bounds=int8 B` / `bounds=int8_channel`: 8-bit page bounds (QuestConfig.bounds); "
         "`quest reselect_every=k B`: pages chosen every k decode steps (QuestConfig.reselect_every). Bytes: K/V + "
         "page metadata one decode step reads over all layers at the full context (pages read as measured; reuse: "
         "metadata on one step in k), fp32 K/V."], lines)

@@ -5,7 +5,7 @@ Layouts follow `_contract.md`: caches `[B, H_kv, C, D]`, metadata `[B, H_kv, C /
 import torch
 
 from ._common import as_u8, check_cache, next_pow2, require_triton, tl, triton
-from .bounds8 import quantize_bounds_at_ref, quantize_bounds_ref, quantize_tile
+from .bounds8 import check_chan, quantize_bounds_at_ref, quantize_bounds_ref, quantize_tile, quantize_tile_chan
 
 __all__ = ["append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref"]
 
@@ -23,14 +23,27 @@ def _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start):
     return B, H, C, D, T
 
 
+def _split_bounds8(bounds8, H, D, device):
+    """(kmin8, kmax8, kscale) or (kmin8, kmax8, kscale, chan): the codes and the channel scales (None: per-page)."""
+    if bounds8 is None:
+        return None, None
+    if len(bounds8) not in (3, 4):
+        raise ValueError(f"bounds8 is (kmin8, kmax8, kscale) or (kmin8, kmax8, kscale, chan), got {len(bounds8)} items")
+    chan = bounds8[3] if len(bounds8) == 4 else None
+    check_chan(chan, H, D, device)
+    return tuple(bounds8[:3]), chan
+
+
 def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start: int, bounds8=None) -> None:
     """Write `k_new/v_new [B, H_kv, T, D]` into slots `[start, start+T)` and fold the valid ones into min/max.
 
     In place on every cache tensor; `valid_new [B, T]` bool (None: all valid). Plain PyTorch; also the CPU path.
     `bounds8` (kmin8, kmax8, kscale; QuestConfig(bounds="int8")): the touched pages' 8-bit bounds are requantized
-    from the new min/max (triton_kernels/bounds8.py), in the same launch in the Triton twin.
+    from the new min/max (triton_kernels/bounds8.py), in the same launch in the Triton twin; a fourth item, the
+    channel scales `chan [H_kv, D]` (bounds="int8_channel"), quantizes on them.
     """
     B, H, C, D, T = _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start)
+    bounds8, chan = _split_bounds8(bounds8, H, D, k_cache.device)
     if T == 0:
         return
     S = C // kmin.shape[2]
@@ -48,7 +61,7 @@ def append_kv_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 
     kmin[:, :, p0:p1] = torch.where(ok, keys, inf).amin(dim=3)
     kmax[:, :, p0:p1] = torch.where(ok, keys, -inf).amax(dim=3)
     if bounds8 is not None:
-        quantize_bounds_ref(kmin, kmax, *bounds8, p0, p1 - p0)
+        quantize_bounds_ref(kmin, kmax, *bounds8, p0, p1 - p0, chan=chan)
 
 
 @triton.jit
@@ -64,9 +77,9 @@ def _append_kv_kernel(
     stride_wb, stride_wt,
     H_KV, START, T,
     lo8_ptr, hi8_ptr, sc8_ptr, stride_lb, stride_lh, stride_lp, stride_ld, stride_hb, stride_hh, stride_hp, stride_hd,
-    stride_sb, stride_sh, stride_sp,
+    stride_sb, stride_sh, stride_sp, chan_ptr, stride_ch, stride_cd,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
-    START_ON_DEVICE: tl.constexpr, USE_BOUNDS8: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr, USE_BOUNDS8: tl.constexpr, USE_CHAN: tl.constexpr,
 ):
     if START_ON_DEVICE:  # a captured decode step: the write position is device data (one token, one page)
         START = tl.load(start_ptr)
@@ -108,8 +121,13 @@ def _append_kv_kernel(
     tl.store(p_lo, b_lo.to(kmin_ptr.dtype.element_ty), mask=m_d)
     tl.store(p_hi, b_hi.to(kmax_ptr.dtype.element_ty), mask=m_d)
     if USE_BOUNDS8:  # the page's 8-bit codes from the bounds just stored (bounds8.py's rule): no second launch
-        b_lo8, b_hi8, b_sc = quantize_tile(b_lo.to(kmin_ptr.dtype.element_ty).to(tl.float32),
-                                           b_hi.to(kmax_ptr.dtype.element_ty).to(tl.float32), m_d)
+        b_lo_q = b_lo.to(kmin_ptr.dtype.element_ty).to(tl.float32)
+        b_hi_q = b_hi.to(kmax_ptr.dtype.element_ty).to(tl.float32)
+        if USE_CHAN:
+            b_cs = tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=1.0)
+            b_lo8, b_hi8, b_sc = quantize_tile_chan(b_lo_q, b_hi_q, b_cs, m_d)
+        else:
+            b_lo8, b_hi8, b_sc = quantize_tile(b_lo_q, b_hi_q, m_d)
         tl.store(lo8_ptr + i_b * stride_lb + i_h * stride_lh + i_page * stride_lp + o_d * stride_ld,
                  b_lo8.to(tl.int8), mask=m_d)
         tl.store(hi8_ptr + i_b * stride_hb + i_h * stride_hh + i_page * stride_hp + o_d * stride_hd,
@@ -138,6 +156,7 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
     B, H, _, D = k_cache.shape
     valid_u8 = as_u8(valid)
     vnew = valid_u8 if valid_new is None else as_u8(valid_new)  # unused when None
+    bounds8, chan = _split_bounds8(bounds8, H, D, k_cache.device)
     lo8, hi8, sc8 = bounds8 if bounds8 is not None else (valid_u8, valid_u8, valid_u8)
     s8 = (*lo8.stride(), *hi8.stride(), *sc8.stride()) if bounds8 is not None else (0,) * 11
     _append_kv_kernel[(B * H, pages)](
@@ -145,9 +164,10 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
         *k_cache.stride(), *v_cache.stride(), *kmin.stride(), *kmax.stride(), *valid_u8.stride(),
         *k_new.stride(), *v_new.stride(), vnew.stride(0), vnew.stride(1),
         H, start, k_new.shape[2], lo8, hi8, sc8, *s8,
+        chan if chan is not None else valid_u8, *(chan.stride() if chan is not None else (0, 0)),
         PAGE=k_cache.shape[2] // kmin.shape[2], D=D, BLOCK_D=max(16, next_pow2(D)),
         USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None, USE_BOUNDS8=bounds8 is not None,
-        num_warps=4,
+        USE_CHAN=chan is not None, num_warps=4,
     )
 
 
@@ -184,7 +204,8 @@ def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid
     kmin.index_copy_(2, page, torch.minimum(old_lo, lo).to(kmin.dtype))
     kmax.index_copy_(2, page, torch.maximum(old_hi, hi).to(kmax.dtype))
     if bounds8 is not None:  # the page holding slot pos (bounds8's _at takes the position after the write)
-        quantize_bounds_at_ref(kmin, kmax, *bounds8, pos + 1, S)
+        bounds8, chan = _split_bounds8(bounds8, kmin.shape[1], kmin.shape[3], kmin.device)
+        quantize_bounds_at_ref(kmin, kmax, *bounds8, pos + 1, S, chan=chan)
 
 
 def append_token_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None) -> None:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from ._common import cdiv, check_due, check_out, check_query, due_arg, due_flag, next_pow2, require_triton, tl, triton
+from .bounds8 import check_chan
 
 __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 
@@ -12,7 +13,7 @@ __all__ = ["score_pages", "score_pages_ref", "REDUCES"]
 REDUCES = ("none", "max", "sum")
 
 
-def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale=None):
+def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale=None, chan=None):
     B, H, P_cap, D = kmin.shape
     G = check_query(q, H, D, B)
     if kmax.shape != kmin.shape or kmax.dtype != kmin.dtype:
@@ -24,6 +25,9 @@ def _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale=None):
     if scale is not None and (scale.shape != (B, H, P_cap) or scale.dtype != torch.float32 or scale.device != q.device):
         raise ValueError(f"scale must be fp32 [B={B}, H_kv={H}, P={P_cap}] on {q.device}, got {scale.dtype} "
                          f"{tuple(scale.shape)} on {scale.device}")
+    if chan is not None and scale is None:
+        raise ValueError("chan= (channel scales) goes with int8 codes and their per-page scale=; float bounds take none")
+    check_chan(chan, H, D, q.device)
     if reduce not in REDUCES:
         raise ValueError(f"reduce must be one of {REDUCES}, got {reduce!r}")
     P = -(-seq_len // page_size)
@@ -70,7 +74,7 @@ def gather_rows(t, rows):
 
 
 def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                    pos=None, window: int = 0, rows=None, scale=None, due=None, *, out=None):
+                    pos=None, window: int = 0, rows=None, scale=None, due=None, *, chan=None, out=None):
     """Score the `P = ceil(seq_len / S)` pages of a layer for one decode query.
 
     q `[B, H_q, D]`; kmin/kmax `[B, H_kv, P_cap, D]`. Returns fp32 `[B, H_q, P]` (`reduce="none"`) or
@@ -82,13 +86,14 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     `p` of sequence `b` is read from batch row `rows[b, p]`.
 
     8-bit bounds (triton_kernels/bounds8.py): kmin/kmax int8 codes with `scale` fp32 `[B, H_kv, P_cap]`; the
-    bounds are `code * scale` (one fp32 product, as bounds8 rounded them). `out`: fp32 of the result's shape,
+    bounds are `code * scale` (one fp32 product, as bounds8 rounded them), or with channel scales `chan` fp32
+    `[H_kv, D]` `code * (chan * scale)`. `out`: fp32 of the result's shape,
     written and returned instead of a fresh tensor. `due` (one device integer, selection reuse): where it is 0 the
     scores are unspecified and unused (`score_pages` reads and writes nothing then, nor does `topk_pages` given the
     same flag read them): `out` keeps its values; without `out=` this returns the forced pages only (+inf; every
     other page -inf). Device ops only, no host sync.
     """
-    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale)
+    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale, chan)
     _check_pos(pos, q.device, window, window_start, due)
     check_out(out, (B, H * G if reduce == "none" else H, P), torch.float32, q.device)
     check_rows(rows, B, P, q.device)
@@ -97,6 +102,8 @@ def score_pages_ref(q, kmin, kmax, seq_len: int, page_size: int, window_start: i
     lo, hi = kmin[:, :, None, :P].float(), kmax[:, :, None, :P].float()
     if scale is not None:
         sc = gather_rows(scale[:, :, :P], rows)[:, :, None, :, None]
+        if chan is not None:  # the kernel's order: (channel scale x page scale), then x code
+            sc = chan[None, :, None, None, :] * sc
         lo, hi = lo * sc, hi * sc
     empty = (kmin[:, :, :P, 0] > kmax[:, :, :P, 0])[:, :, None]  # [B, H, 1, P]
     # An empty page's bounds are +-inf, so its sum may be NaN (0 * inf): masked_fill overwrites NaN too.
@@ -141,10 +148,11 @@ def _score_block(
     P, P_DEAD, CUR,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE: tl.constexpr,
+    chan_ptr, stride_ch, stride_cd, USE_CHAN: tl.constexpr,
 ):
     """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
     bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise). USE_SCALE: int8 codes
-    times their page's fp32 scale (triton_kernels/bounds8.py)."""
+    times their page's fp32 scale (triton_kernels/bounds8.py); USE_CHAN: times the KV head's channel scales too."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
@@ -156,8 +164,16 @@ def _score_block(
     b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32)
     if USE_SCALE:  # the same fp32 product bounds8 checked its rounding against
         b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
-        b_lo = b_lo * b_sc[:, None]
-        b_hi = b_hi * b_sc[:, None]
+        if USE_CHAN:
+            # code x channel scale here, x the page's 2^e on the page's sum below: scaling by a power of two is
+            # exact, so this is the reference's code x (channel scale x 2^e) up to the order of the D-term sum,
+            # with one product an element (the same work as the page-scale codes).
+            b_cs = tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
+            b_lo = b_lo * b_cs[None, :]
+            b_hi = b_hi * b_cs[None, :]
+        else:
+            b_lo = b_lo * b_sc[:, None]
+            b_hi = b_hi * b_sc[:, None]
     # Same emptiness test as the reference (first channel only); these addresses are already in L1.
     b_lo0 = tl.load(kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0)
     b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0)
@@ -169,6 +185,8 @@ def _score_block(
         b_q = tl.load(q_ptr + i_b * stride_qb + (i_h * G + g) * stride_qh + o_d * stride_qd,
                       mask=m_d, other=0.0).to(tl.float32)
         b_s = tl.sum(tl.maximum(b_q[None, :] * b_lo, b_q[None, :] * b_hi), axis=1)
+        if USE_CHAN:  # (the launcher takes chan only with scale)
+            b_s = b_s * b_sc
         # Empty pages hold +-inf bounds, so their sum may be NaN (0 * inf): overwritten here.
         b_s = tl.where(m_dead, float("-inf"), b_s)
         b_s = tl.where(m_cur, float("inf"), b_s)
@@ -190,9 +208,10 @@ def _score_pages_kernel(
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op, stride_rb,
     stride_sb, stride_sh, stride_sp,
-    H_KV, P, P_DEAD, PAGE, WINDOW,
+    H_KV, P, P_DEAD, PAGE, WINDOW, chan_ptr, stride_ch, stride_cd,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
+    USE_CHAN: tl.constexpr,
 ):
     # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
     # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
@@ -216,23 +235,24 @@ def _score_pages_kernel(
                      stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                      stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
                      P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
-                     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE)
+                     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd, USE_CHAN)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
-                pos=None, window: int = 0, rows=None, scale=None, due=None, *, launch: ScoreLaunch = SCORE_LAUNCH,
-                out=None):
+                pos=None, window: int = 0, rows=None, scale=None, due=None, *, chan=None,
+                launch: ScoreLaunch = SCORE_LAUNCH, out=None):
     """Triton twin of `score_pages_ref`.
 
     q `[B, H_q, D]` (any float dtype, any strides); kmin/kmax `[B, H_kv, P_cap, D]` (any strides, unit stride
     on D is fastest), in a float dtype or int8 codes with `scale` (constexpr USE_SCALE: half the bytes of fp16
-    bounds, plus 4 a page). `due` (HAS_DUE): a device flag every program reads first; 0 (a step that reuses its
+    bounds, plus 4 a page) and, for channel-scale codes, `chan` (USE_CHAN: D floats a program, from L2).
+    `due` (HAS_DUE): a device flag every program reads first; 0 (a step that reuses its
     stored selection) returns at once: nothing else read, nothing written (`out` keeps its values; a fresh result
     stays unwritten, which `topk_pages(due=)` under the same flag never reads). Returns a fresh contiguous fp32
     `[B, H_q, P]` (`"none"`) or `[B, H_kv, P]`, or `out` (that shape, any strides) filled.
     """
     require_triton()
-    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale)
+    B, H, G, D, P = _check(q, kmin, kmax, seq_len, page_size, window_start, reduce, scale, chan)
     _check_pos(pos, q.device, window, window_start, due)
     check_rows(rows, B, P, q.device)
     shape = (B, H * G if reduce == "none" else H, P)
@@ -247,8 +267,9 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         *q.stride(), *kmin.stride(), *kmax.stride(), *out.stride(), rows.stride(0) if rows is not None else 0,
         *s_strides,
         H, P, window_start // page_size, page_size, window,
+        chan if chan is not None else out, *(chan.stride() if chan is not None else (0, 0)),
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
-        HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None,
+        HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None, USE_CHAN=chan is not None,
         num_warps=launch.num_warps,
     )
     return out

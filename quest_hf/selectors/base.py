@@ -88,8 +88,8 @@ def top_pages(layer, scores: torch.Tensor, group: int, k: int) -> torch.Tensor:
 
 def metadata_bytes(seq_len: int, kv_heads: int, head_dim: int, elt: int, page_size: int,
                    bounds: str = "key_dtype") -> int:
-    """Every page's key min/max: what Quest's scoring reads (`bounds="int8"`: two int8 codes a channel plus one fp32
-    scale a page and KV head)."""
+    """Every page's key min/max: what Quest's scoring reads (`bounds="int8"` / `"int8_channel"`: two int8 codes a
+    channel plus one fp32 scale a page and KV head; the channel scales, D floats a KV head, are not counted)."""
     per_page = 2 * head_dim * elt if bounds == "key_dtype" else 2 * head_dim + 4
     return -(-seq_len // page_size) * kv_heads * per_page
 

@@ -6,7 +6,8 @@ from .base import Selector, metadata_bytes, reused_pages
 
 
 class QuestSelector(Selector):
-    """`QuestConfig.bounds="int8"`: the score reads the layer's 8-bit bounds (`kmin8/kmax8/kscale`).
+    """`QuestConfig.bounds="int8"` / `"int8_channel"`: the score reads the layer's 8-bit bounds (`kmin8/kmax8/kscale`,
+    and `kchan` for the channel scales).
     `reselect_every=k > 1`: the score and Top-K choose every k steps (`reused_pages`); in between both launches
     read the layer's device flag and return at once (no bound or score read, nothing written), and the reuse
     kernel attends the stored selection."""
@@ -22,14 +23,15 @@ class QuestSelector(Selector):
         group = q.shape[1] // layer.kmin.shape[1] if reduce == "none" else 1
         k, P = cfg.num_pages + 1, layer.kmin.shape[2]
         due = layer.reuse_due((q.shape[0], layer.kmin.shape[1], min(group * k, P))) if cfg.reselect_every > 1 else None
-        int8 = cfg.bounds == "int8"
-        if int8 and layer.kmin8 is None:  # a cache filled under bounds="key_dtype", now read under "int8"
+        int8 = cfg.bounds != "key_dtype"
+        if int8 and layer.bounds_stale():  # a cache filled under other bounds, now read under these
             layer.sync_bounds()
         lo, hi, scale = (layer.kmin8, layer.kmax8, layer.kscale) if int8 else (layer.kmin, layer.kmax, None)
         # Over the whole allocation: unwritten pages are empty (-inf); the current page is forced from the
         # device position inside the kernel, the spare last page by the kernel itself (+ 1 page).
         scores = ops.score_pages(q, lo, hi, layer.keys.shape[2], cfg.page_size, 0, reduce,
-                                 pos=layer.pos, window=window, rows=layer.rows, scale=scale, due=due)
+                                 pos=layer.pos, window=window, rows=layer.rows, scale=scale, due=due,
+                                 chan=layer.kchan if int8 else None)
         ids = ops.topk_pages(scores, k, group, due=due)  # due=0: unwritten, and unread by reused_pages
         return ids if due is None else reused_pages(layer, ids, due, cfg.reselect_every)
 

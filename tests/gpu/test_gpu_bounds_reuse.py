@@ -69,6 +69,51 @@ def test_compiled_int8_and_flagged_kernels_match_their_twins_at_real_sizes(B, Hq
             assert (out == 7.0).all()
 
 
+@pytest.mark.parametrize("B, Hq, H, L", [
+    pytest.param(1, 32, 8, 32768 + 5, id="llama3-8b-32K"),
+    pytest.param(1, 32, 32, 131072 + 3, id="llama2-7b-128K"),
+    pytest.param(8, 32, 32, 8192 + 3, id="llama2-7b-B8-8K"),
+])
+def test_compiled_channel_code_kernels_match_their_twins_at_real_sizes(B, Hq, H, L):
+    # QuestConfig(bounds="int8_channel"): scales from the first 4K keys, later keys up to 8x larger (exponents).
+    D, S = 128, 16
+    C = -(-(L + 64) // S) * S + S
+    g = torch.Generator(DEV).manual_seed(3)
+    keys = torch.zeros(B, H, C, D, dtype=torch.float16, device=DEV)
+    kmin = torch.full((B, H, C // S, D), float("inf"), dtype=torch.float16, device=DEV)
+    kmax = torch.full_like(kmin, float("-inf"))
+    valid = torch.zeros(B, C, dtype=torch.bool, device=DEV)
+    k = torch.randn(B, H, L, D, generator=g, device=DEV) * 4
+    k[:, :, 4096:] *= torch.rand(B, H, L - 4096, 1, generator=g, device=DEV) * 8
+    k = k.half()
+    chan = tk.bounds8.channel_scales(k[:, :, :4096])
+    mine, ref = [*empty_bounds8(*kmin.shape, DEV), chan], [*empty_bounds8(*kmin.shape, DEV), chan]
+    tk.append_kv(keys, keys.clone(), kmin, kmax, valid, k, k, None, 0, bounds8=tuple(mine))
+    tk.quantize_bounds_ref(kmin, kmax, *ref[:3], chan=chan)
+    for a, b in zip(mine, ref):  # the append launch's codes: bit for bit
+        assert torch.equal(a, b)
+    assert ref[2].max() >= 4  # pages past the prefill's range took exponents
+    se = chan[None, :, None, :] * mine[2][..., None]
+    lo, hi = mine[0].float() * se, mine[1].float() * se
+    live = kmin <= kmax
+    assert (lo[live] <= kmin.float()[live]).all() and (hi[live] >= kmax.float()[live]).all()
+    pos = torch.tensor(L, device=DEV)
+    again = [t.clone() for t in mine[:3]]
+    tk.quantize_bounds(kmin, kmax, *again, chan=chan)
+    tk.quantize_bounds_at(kmin, kmax, *again, pos, S, chan=chan)
+    assert all(torch.equal(a, b) for a, b in zip(again, ref[:3]))
+    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.float16)
+    for reduce in ("none", "max"):
+        kw = dict(pos=pos, scale=mine[2], chan=chan)
+        s = tk.score_pages(q, mine[0], mine[1], C, S, 0, reduce, **kw)
+        s_ref = tk.score_pages_ref(q, mine[0], mine[1], C, S, 0, reduce, **kw)
+        fin = s_ref.isfinite()
+        assert torch.equal(fin, s.isfinite()) and torch.equal(s_ref[~fin], s[~fin])
+        torch.testing.assert_close(s[fin], s_ref[fin], atol=1e-2, rtol=1e-3)
+        exact = tk.score_pages_ref(q, kmin, kmax, C, S, 0, reduce, pos=pos)
+        assert (s_ref[fin] >= exact[fin]).all()
+
+
 @pytest.fixture(scope="module")
 def llama():
     torch.manual_seed(0)
@@ -85,6 +130,8 @@ def llama():
     pytest.param(dict(reselect_every=4), dict(do_sample=False), id="reuse4-greedy"),
     pytest.param(dict(reselect_every=20), dict(do_sample=False), id="reuse20-two-new-pages"),
     pytest.param(dict(bounds="int8", reselect_every=3), dict(do_sample=False, num_beams=3), id="int8-reuse3-beams"),
+    pytest.param(dict(bounds="int8_channel"), dict(do_sample=False), id="int8-channel-greedy"),
+    pytest.param(dict(bounds="int8_channel"), dict(do_sample=False, num_beams=3), id="int8-channel-beams"),
 ])
 def test_captured_steps_with_int8_bounds_and_reuse_give_the_eager_tokens(llama, options, kw):
     ids = torch.randint(2, 1000, (2, 300), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
