@@ -11,7 +11,8 @@ REF = Path(__file__).with_name("passkey_bounds8_smollm2.json")
 
 
 def rows_of(rows, variant):
-    return {(r["length"], r["depth"], r["budget"]): r for r in rows if r["policy"] == "quest" and r["variant"] == variant}
+    return {(r["length"], r["depth"], r["budget"]): r for r in rows
+            if r["policy"] == "quest" and r["variant"] == variant}
 
 
 def main(path):
@@ -30,7 +31,8 @@ def main(path):
             print("answer text differs from key dtype:", k, "correct (key dtype, int8_channel):", key[k]["correct"],
                   row["correct"])
         int8_differ += key[k]["correct"] != int8[k]["correct"]
-    print(f"int8_channel cases as key dtype: {same} of {len(chan)}, differing: {differ}, answer text differing: {text}; "
+    print(f"int8_channel cases as key dtype: {same} of {len(chan)}, differing: {differ}, "
+          f"answer text differing: {text}; "
           f"int8 (per-page scale) cases differing from key dtype: {int8_differ}")
 
 
