@@ -1,5 +1,6 @@
-"""8-bit page bounds (QuestConfig(bounds="int8"), triton_kernels/bounds8.py): the bound never under-estimates q.k,
-kernels against their twins, and the layer keeps the codes equal to its exact bounds quantized through every edit."""
+"""8-bit page bounds (QuestConfig(bounds="int8") and, where the test is the same, "int8_channel"; triton_kernels/
+bounds8.py): the bound never under-estimates q.k, kernels against their twins, and the layer keeps the codes equal to
+its exact bounds quantized through every edit. What only the channel scales have: tests/test_bounds8_channel.py."""
 import os
 
 import pytest
@@ -20,11 +21,28 @@ triton_ok = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get(
                                reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
 
 
-def quantized(kmin, kmax):
-    """The 8-bit bounds of every page, by the reference."""
+def quantized(kmin, kmax, chan=None):
+    """The 8-bit bounds of every page, by the reference (on channel scales `chan [H_kv, D]` where given)."""
     out = empty_bounds8(*kmin.shape, kmin.device)
-    tk.quantize_bounds_ref(kmin, kmax, *out)
+    tk.quantize_bounds_ref(kmin, kmax, *out, chan=chan)
     return out
+
+
+# The two 8-bit settings; the kernel tests give "int8_channel" channel scales smaller than the stored keys need
+# (x3 randn keys), so many pages take exponents e > 0.
+KINDS = ["int8", "int8_channel"]
+
+
+def chan_for(kind, H, D, seed):
+    if kind == "int8":
+        return None
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(H, D, generator=g) * 0.01 + 1e-3).to(DEV)
+
+
+def with_chan(bounds8, chan):
+    """The append kernels' bounds8= tuple: the codes, and the channel scales where there are any."""
+    return tuple(bounds8) if chan is None else (*bounds8, chan)
 
 
 def page_bounds(keys, valid=None):
@@ -140,34 +158,39 @@ QUANT_CASES = [
 
 
 @triton_ok
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("B,H,D,S,L,dtype,pad", QUANT_CASES)
-def test_quantize_kernels_equal_their_twins_bit_for_bit(B, H, D, S, L, dtype, pad):
+def test_quantize_kernels_equal_their_twins_bit_for_bit(B, H, D, S, L, dtype, pad, kind):
     C = -(-L // S) * S + 2 * S
     _, _, kmin, kmax, _ = stored_layer(B, H, D, S, L, C, dtype, L, pad)
     P = C // S
+    chan = chan_for(kind, H, D, L)
     # Poisoned outputs: a code or scale the kernel does not write is not the reference's.
     mine = [torch.full((B, H, P, D), 55, dtype=torch.int8, device=DEV), torch.full((B, H, P, D), -55, dtype=torch.int8,
             device=DEV), torch.full((B, H, P), float("nan"), device=DEV)]
     ref = [t.clone() for t in mine]
-    tk.quantize_bounds(kmin, kmax, *mine, 1, P - 1)
-    tk.quantize_bounds_ref(kmin, kmax, *ref, 1, P - 1)
+    tk.quantize_bounds(kmin, kmax, *mine, 1, P - 1, chan=chan)
+    tk.quantize_bounds_ref(kmin, kmax, *ref, 1, P - 1, chan=chan)
     for a, b in zip(mine, ref):
         assert torch.equal(a[:, :, 1:], b[:, :, 1:]) and not a[:, :, 1:].isnan().any()
         torch.testing.assert_close(a[:, :, :1], b[:, :, :1], atol=0, rtol=0, equal_nan=True)  # page 0 untouched
     pos = torch.tensor(L, device=DEV)
-    tk.quantize_bounds_at(kmin, kmax, *mine, pos, S)  # the page holding slot L - 1 (page 0 when L <= S)
-    tk.quantize_bounds_at_ref(kmin, kmax, *ref, pos, S)
+    tk.quantize_bounds_at(kmin, kmax, *mine, pos, S, chan=chan)  # the page holding slot L - 1 (page 0 when L <= S)
+    tk.quantize_bounds_at_ref(kmin, kmax, *ref, pos, S, chan=chan)
     for a, b in zip(mine, ref):
         torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
-    full = quantized(kmin, kmax)
+    full = quantized(kmin, kmax, chan)
+    if chan is not None:
+        assert full[2].max() > 1  # some page did take an exponent
     page = (L - 1) // S
     for a, b in zip(mine, full):
         assert torch.equal(a[:, :, page], b[:, :, page])
 
 
 @triton_ok
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("B,H,D,S,L,dtype,pad", QUANT_CASES)
-def test_append_kernels_requantize_the_pages_they_write_as_their_twins(B, H, D, S, L, dtype, pad):
+def test_append_kernels_requantize_the_pages_they_write_as_their_twins(B, H, D, S, L, dtype, pad, kind):
     # The decode append writes the page's codes in its own launch (USE_BOUNDS8): they must equal the reference's
     # and the codes of the exact bounds, after a multi-token append (mid-page start) and one-token appends.
     steps = S + 3
@@ -179,23 +202,24 @@ def test_append_kernels_requantize_the_pages_they_write_as_their_twins(B, H, D, 
     ref, mine = [t.to(DEV) for t in base], [t.clone().to(DEV) for t in base]
     ref8 = list(empty_bounds8(B, H, C // S, D, DEV))
     mine8 = [t.clone() for t in ref8]  # pages never written stay empty in both
+    chan = chan_for(kind, H, D, L + 1)
     k = (torch.randn(B, H, L, D, generator=g) * 3).to(dtype).to(DEV)
     vnew = torch.ones(B, L, dtype=torch.bool, device=DEV)
     for b, n in enumerate(pad):
         vnew[b, :n] = False
     cut = L // 2
     for lo, hi in ((0, cut), (cut, L)):
-        tk.append_kv_ref(*ref, k[:, :, lo:hi], k[:, :, lo:hi], vnew[:, lo:hi], lo, bounds8=ref8)
-        tk.append_kv(*mine, k[:, :, lo:hi], k[:, :, lo:hi], vnew[:, lo:hi], lo, bounds8=mine8)
+        tk.append_kv_ref(*ref, k[:, :, lo:hi], k[:, :, lo:hi], vnew[:, lo:hi], lo, bounds8=with_chan(ref8, chan))
+        tk.append_kv(*mine, k[:, :, lo:hi], k[:, :, lo:hi], vnew[:, lo:hi], lo, bounds8=with_chan(mine8, chan))
     pos = torch.tensor(L, device=DEV)
-    for _ in range(steps):
-        k1 = (torch.randn(B, H, 1, D, generator=g) * 3).to(dtype).to(DEV)
-        tk.append_token_at_ref(*ref, k1, k1, None, pos, bounds8=ref8)
-        tk.append_token_at(*mine, k1, k1, None, pos, bounds8=mine8)
+    for i in range(steps):  # every other token 100x larger: on channel scales, pages past their range
+        k1 = (torch.randn(B, H, 1, D, generator=g) * (3 if i % 2 else 300)).to(dtype).to(DEV)
+        tk.append_token_at_ref(*ref, k1, k1, None, pos, bounds8=with_chan(ref8, chan))
+        tk.append_token_at(*mine, k1, k1, None, pos, bounds8=with_chan(mine8, chan))
         pos += 1
     for a, b in zip(mine + mine8, ref + ref8):
         assert torch.equal(a, b)
-    for a, b in zip(mine8, quantized(mine[2], mine[3])):
+    for a, b in zip(mine8, quantized(mine[2], mine[3], chan)):
         assert torch.equal(a, b)
 
 
@@ -210,15 +234,17 @@ SCORE_CASES = [
 
 
 @triton_ok
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("B,H,G,D,S,L,reduce,pad,beams", SCORE_CASES)
-def test_int8_score_kernel_matches_its_twin(B, H, G, D, S, L, reduce, pad, beams, monkeypatch):
+def test_int8_score_kernel_matches_its_twin(B, H, G, D, S, L, reduce, pad, beams, kind, monkeypatch):
     C = -(-L // S) * S + S
     _, _, kmin, kmax, _ = stored_layer(B, H, D, S, L, C, F16, L, pad)
-    lo8, hi8, scale = quantized(kmin, kmax)
+    chan = chan_for(kind, H, D, L)
+    lo8, hi8, scale = quantized(kmin, kmax, chan)
     q = torch.randn(B, H * G, D, device=DEV).half()
     pos = torch.tensor(L, device=DEV)
     rows = torch.randint(0, B, (B, C // S), dtype=torch.int32, device=DEV) if beams else None
-    kw = dict(pos=pos, rows=rows, scale=scale)
+    kw = dict(pos=pos, rows=rows, scale=scale, chan=chan)
     want = tk.score_pages_ref(q, lo8, hi8, C, S, 0, reduce, **kw)
     monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
     got = tk.score_pages(q, lo8, hi8, C, S, 0, reduce, **kw)
@@ -234,17 +260,19 @@ def test_int8_score_kernel_matches_its_twin(B, H, G, D, S, L, reduce, pad, beams
 
 # -------------------------------------------------------------------------------------- the layer
 def assert_codes_match(layer):
-    """The layer's codes are its exact bounds quantized, on every page of the allocation."""
-    assert layer.kmin8 is not None
-    for a, b in zip((layer.kmin8, layer.kmax8, layer.kscale), quantized(layer.kmin, layer.kmax)):
+    """The layer's codes are its exact bounds quantized (on its channel scales, if it has them), on every page of the
+    allocation."""
+    assert layer.kmin8 is not None and (layer.kchan is not None) == (layer.config.bounds == "int8_channel")
+    for a, b in zip((layer.kmin8, layer.kmax8, layer.kscale), quantized(layer.kmin, layer.kmax, layer.kchan)):
         assert torch.equal(a, b)
 
 
 @torch.no_grad()
-def test_layer_keeps_the_codes_through_growth_crop_beams_batch_edits_and_reset(single_thread):
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_keeps_the_codes_through_growth_crop_beams_batch_edits_and_reset(kind, single_thread):
     model = tiny_model("llama", heads=4, kv_heads=2)
     ids, mask = left_padded_batch(lengths=(45, 30))
-    patch_model(model, budget=32, page_size=8, dense_layers=1, bounds="int8", backend="torch")
+    patch_model(model, budget=32, page_size=8, dense_layers=1, bounds=kind, backend="torch")
     cache = QuestCache.from_model(model)  # grows when driven by hand
     out = model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     layer = cache.layers[-1]
@@ -298,20 +326,22 @@ def _rule_on_codes_hook(cache_of, chosen):
         L, S = layer.seq_len, layer.page_size
         layer._materialize()  # the rule reads each sequence's own rows
         G = q.shape[1] // layer.kmin.shape[1]
-        lo8, hi8, scale = quantized(layer.kmin, layer.kmax)
-        ref = tk.topk_pages_ref(tk.score_pages_ref(q, lo8, hi8, L, S, scale=scale), layer.config.num_pages, G)
+        lo8, hi8, scale = quantized(layer.kmin, layer.kmax, layer.kchan)
+        ref = tk.topk_pages_ref(tk.score_pages_ref(q, lo8, hi8, L, S, scale=scale, chan=layer.kchan),
+                                layer.config.num_pages, G)
         got = [set(r.tolist()) - {-1} for r in ids.flatten(0, 1)]
         assert got == [set(r.tolist()) - {-1} for r in ref.flatten(0, 1)]
         chosen.append(sum(map(len, got)))
     return hook
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=triton_ok)])
-def test_small_budget_reads_the_pages_the_rule_picks_on_the_codes(backend, single_thread):
+def test_small_budget_reads_the_pages_the_rule_picks_on_the_codes(backend, kind, single_thread):
     # Left padding: all-padding pages must score -inf (never chosen), or the sets differ from the exact-length rule.
     model = tiny_model("llama", heads=8, kv_heads=2, layers=2 if backend == "triton" else 3)
     ids, mask = left_padded_batch(lengths=(70, 33))
-    patch_model(model, budget=32, page_size=8, dense_layers=1, bounds="int8", backend=backend)
+    patch_model(model, budget=32, page_size=8, dense_layers=1, bounds=kind, backend=backend)
     cache = QuestCache.from_model(model, max_length=ids.shape[1] + 8)
     chosen = []
     cache.selection_hooks.append(_rule_on_codes_hook([cache], chosen))
@@ -319,8 +349,9 @@ def test_small_budget_reads_the_pages_the_rule_picks_on_the_codes(backend, singl
     assert len(chosen) == 7 * (len(cache.layers) - 1) and min(chosen) > 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("beams", [1, 3])
-def test_covering_budget_with_int8_bounds_gives_the_unpatched_tokens(beams, single_thread):
+def test_covering_budget_with_int8_bounds_gives_the_unpatched_tokens(beams, kind, single_thread):
     # The allocation is far larger than the budget's pages, so every step selects (the dense shortcut never runs):
     # the written pages must all be chosen, the empty ones never, left padding and beams included.
     model = tiny_model("llama", heads=8, kv_heads=2)
@@ -328,7 +359,7 @@ def test_covering_budget_with_int8_bounds_gives_the_unpatched_tokens(beams, sing
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=beams, output_scores=True,
               return_dict_in_generate=True)
     ref = model.generate(ids, **kw)
-    patch_model(model, budget=128, page_size=8, dense_layers=0, bounds="int8", backend="torch")
+    patch_model(model, budget=128, page_size=8, dense_layers=0, bounds=kind, backend="torch")
     cache = QuestCache.from_model(model, max_length=400)
     seen = []
     cache.selection_hooks.append(lambda i, q, page_ids: seen.append(i))
