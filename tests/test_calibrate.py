@@ -126,15 +126,16 @@ def test_every_objective_gives_an_equal_bytes_config(measured, objective):
         allocate(m, 32, objective="loss")
 
 
-def test_int8_bounds_buy_pages_at_the_flat_configs_bytes():
+@pytest.mark.parametrize("kind", ["int8", "int8_channel"])
+def test_int8_bounds_buy_pages_at_the_flat_configs_bytes(kind):
     # 8-bit bounds read fewer metadata bytes: the measurement's bytes drop, the flat reference (key-dtype bounds)
     # does not, so the same byte limit buys at least as much.
     model = tiny_model("llama", heads=6, kv_heads=2, layers=4)
     with one_thread():
-        m8 = measure(model, IDS, budgets=(32, 64, 128), queries=4, bounds="int8")
+        m8 = measure(model, IDS, budgets=(32, 64, 128), queries=4, bounds=kind)
         m16 = measure(model, IDS, budgets=(32, 64, 128), queries=4)
-        cfg = calibrate(model, IDS, budget=32, budgets=(64, 128), queries=4, bounds="int8", objective="error")
-    assert m8.bounds == "int8" and cfg.bounds == "int8"
+        cfg = calibrate(model, IDS, budget=32, budgets=(64, 128), queries=4, bounds=kind, objective="error")
+    assert m8.bounds == kind and cfg.bounds == kind
     for i in range(4):
         for b in (32, 64, 128):
             assert m8.bytes[i][b] < m8.flat[i][b]
