@@ -76,10 +76,7 @@ def channel_scales(keys, valid=None, out=None):
     mag = keys.float().abs()
     if valid is not None:
         mag = mag * valid.to(mag.dtype)[:, None, :, None]
-    m = mag.amax(dim=(0, 2)) if T else mag.new_zeros(H, D)
-    # A tensor divisor: correctly rounded on every device (see _quantize).
-    sc = (m / torch.full_like(m, CHANNEL_STEPS)).clamp_min(MIN_CHANNEL_SCALE)
-    return sc if out is None else out.copy_(sc)
+    return _scales_of(mag.amax(dim=(0, 2)) if T else mag.new_zeros(H, D), out)
 
 
 def channel_scales_of_bounds(kmin, kmax, pages: int, out=None):
@@ -87,7 +84,12 @@ def channel_scales_of_bounds(kmin, kmax, pages: int, out=None):
     a page's min and max range over its valid keys; empty pages count nothing)."""
     lo, hi = kmin[:, :, :pages].float(), kmax[:, :, :pages].float()
     mag = torch.where(lo > hi, 0.0, torch.maximum(lo.abs(), hi.abs()))
-    m = mag.amax(dim=(0, 2)) if pages else mag.new_zeros(kmin.shape[1], kmin.shape[3])
+    return _scales_of(mag.amax(dim=(0, 2)) if pages else mag.new_zeros(kmin.shape[1], kmin.shape[3]), out)
+
+
+def _scales_of(m, out):
+    """Channel scales from each channel's largest |k| `m [H_kv, D]` (a tensor divisor: correctly rounded on every
+    device, see _quantize)."""
     sc = (m / torch.full_like(m, CHANNEL_STEPS)).clamp_min(MIN_CHANNEL_SCALE)
     return sc if out is None else out.copy_(sc)
 
@@ -141,10 +143,7 @@ def _quantize(lo, hi):
     # rounded), which would make the reference differ from the kernel's div_rn on a GPU.
     scale = (mag / torch.full_like(mag, STEPS)).clamp_min(MIN_SCALE)
     zero = torch.zeros((), dtype=torch.float32, device=lo.device)
-    lo_q = torch.floor(torch.where(empty, zero, lo) / scale)
-    hi_q = torch.ceil(torch.where(empty, zero, hi) / scale)
-    lo_q = torch.where(lo_q * scale > lo, lo_q - 1, lo_q)
-    hi_q = torch.where(hi_q * scale < hi, hi_q + 1, hi_q)
+    lo_q, hi_q = _codes_on(torch.where(empty, zero, lo), torch.where(empty, zero, hi), scale)
     lo_q = torch.where(empty, float(CODE_LO_EMPTY), lo_q)
     hi_q = torch.where(empty, float(CODE_HI_EMPTY), hi_q)
     scale = torch.where(empty[..., :1], 0.0, scale)
