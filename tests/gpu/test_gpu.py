@@ -65,6 +65,46 @@ def test_compiled_kernels_match_their_twins_at_real_sizes(B, Hq, H, L, window):
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 
+ATTN_PATHS = {
+    "tiles": dict(register_max_group=0),
+    "registers": dict(register_max_group=8, fuse_merge_max_splits=0),
+    "registers-fused-merge": dict(register_max_group=8, fuse_merge_max_splits=1 << 30),
+    "registers-32-tokens-4-warps": dict(register_max_group=8, reg_block_n=32, reg_num_warps=4, reg_num_stages=2,
+                                        reg_programs_per_sm=4),
+}
+
+
+@pytest.mark.parametrize("path", list(ATTN_PATHS))
+@pytest.mark.parametrize("B, Hq, H, L, K, extras", [
+    pytest.param(1, 32, 32, 32768 + 5, 129, "", id="llama2-7b-32K"),
+    pytest.param(1, 32, 8, 32768 + 5, 513, "", id="llama3-8b-32K-union-ids"),
+    pytest.param(8, 32, 32, 8192 + 3, 129, "", id="llama2-7b-B8-8K"),
+    pytest.param(2, 16, 8, 8192 + 3, 129, "softcap-sinks-rows", id="G2-softcap-sinks-rows"),
+])
+def test_attention_paths_match_their_twin_at_real_sizes(path, B, Hq, H, L, K, extras):
+    """The attention's tensor-core and register paths (`AttentionLaunch.register_max_group`), compiled, against the
+    twin: random page lists with -1 holes, padding slots, soft-cap, sinks and a beam page table."""
+    D, S = 128, 16
+    C = -(-(L + 64) // S) * S + S
+    keys, values, _, _, valid = _layer(B, H, D, L, C)
+    valid[:, 100:140] = False  # padding inside a page run
+    g = torch.Generator(DEV).manual_seed(K)
+    P = -(-L // S)
+    ids = torch.stack([torch.randperm(P, device=DEV, generator=g)[:K].sort().values for _ in range(B * H)])
+    ids = ids.view(B, H, K).to(torch.int32)
+    ids[:, :, 3::17] = -1
+    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.float16, generator=g) * 2
+    kw = {}
+    if extras:
+        kw = dict(softcap=30.0, sinks=torch.linspace(-1.0, 3.0, Hq, device=DEV),
+                  rows=torch.randint(0, B, (B, C // S), device=DEV, dtype=torch.int32, generator=g))
+    launch = tk.sparse_attention.AttentionLaunch(**ATTN_PATHS[path])
+    out = tk.sparse_decode_attention(q, keys, values, ids, valid, L, S, D ** -0.5, 0, launch=launch, **kw)
+    ref = tk.sparse_decode_attention_ref(q, keys, values, ids, valid, L, S, D ** -0.5, 0, **kw)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
