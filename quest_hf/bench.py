@@ -130,6 +130,32 @@ def time_graph(fns: Callable[[], object] | Sequence[Callable[[], object]], **kw)
         del graphs
 
 
+def time_graph_chain(fns: Callable[[], object] | Sequence[Callable[[], object]], n: int = 20, **kw) -> float:
+    """Median microseconds a call when `n` calls run back to back in one CUDA graph, rotating over `fns` (one per
+    input set): a model's layers follow one another so in a captured decode step, and the graph's own launch is
+    paid once for the `n` calls (`time_graph` pays it on every call). Timed by `time_calls` (same keywords)."""
+    fns = [fns] if callable(fns) else list(fns)
+    graph = capture(lambda: [fns[i % len(fns)]() for i in range(n)])
+    try:
+        return time_calls(graph.replay, **kw) / n
+    finally:
+        del graph
+
+
+def kernel_durations(fn: Callable[[], object], reps: int = 20) -> dict[str, float]:
+    """Each CUDA kernel's mean device time a call of `fn` (us, the torch profiler's), by kernel name: what the
+    time of a step is spent on, without the launch gaps between kernels."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count}
+
+
 def copy_bandwidth(device="cuda", nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, bytes read + written, of one `nbytes` copy (timed by
     `time_calls`, ~100 ms of repeats): the byte limit that "fraction of the byte limit" divides by."""

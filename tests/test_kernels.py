@@ -432,19 +432,10 @@ ATTN_CASES = [
 ]
 
 
-# The attention's launch paths: tensor-core tiles or register products, the last split merging or a merge kernel.
-ATTN_LAUNCHES = {
-    "fused-merge": dict(fuse_merge_max_splits=1 << 30, register_max_group=0),
-    "merge-kernel": dict(fuse_merge_max_splits=0, register_max_group=0),
-    "registers-merge-kernel": dict(fuse_merge_max_splits=0, register_max_group=8),
-    "registers-fused-merge": dict(fuse_merge_max_splits=1 << 30, register_max_group=8, reg_block_n=32),
-}
-
-
-@pytest.mark.parametrize("path", list(ATTN_LAUNCHES))
+@pytest.mark.parametrize("fuse_merge", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,ws,k,dtype,pad", ATTN_CASES)
-def test_sparse_attention_matches_reference(B, Hq, Hkv, D, S, L, ws, k, dtype, pad, path, monkeypatch):
-    launch = attn_mod.AttentionLaunch(**ATTN_LAUNCHES[path])
+def test_sparse_attention_matches_reference(B, Hq, Hkv, D, S, L, ws, k, dtype, pad, fuse_merge, monkeypatch):
+    launch = attn_mod.AttentionLaunch(fuse_merge_max_splits=1 << 30 if fuse_merge else 0)
     kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L + 1, pad=pad)
     q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
     scores = tk.score_pages_ref(q, kmin, kmax, L, S, ws, "none")
@@ -529,11 +520,11 @@ def _nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
 
 
-@pytest.mark.parametrize("path", list(ATTN_LAUNCHES))
+@pytest.mark.parametrize("fuse_merge", [True, False], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,softcap,use_sinks", CAP_SINK_CASES)
 def test_sparse_attention_softcap_sinks_match_reference(B, Hq, Hkv, D, S, L, k, dtype, pad, softcap, use_sinks,
-                                                        path, monkeypatch):
-    launch = attn_mod.AttentionLaunch(**ATTN_LAUNCHES[path])
+                                                        fuse_merge, monkeypatch):
+    launch = attn_mod.AttentionLaunch(fuse_merge_max_splits=1 << 30 if fuse_merge else 0)
     kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L + 3, pad=pad)
     g = torch.Generator().manual_seed(7)
     q = (torch.randn(B, Hq, D, generator=g) * 3).to(dtype).to(DEV)  # logits well past a cap of 1-5

@@ -128,8 +128,6 @@ class AttentionLaunch:
         the partials (atomic ticket, one zeroed int32 per row) instead of a second launch. This won at llama2 B=8
         (3 splits: 74 vs 91 us) and lost at B=1 (17 splits: 20.9 vs 19.7 us; llama3, 64 splits: 18.3 vs 10.1 us),
         where the one merging program serialises over many splits.
-    register_max_group: with at most this many query heads a KV head (MHA: 1), the products run in registers
-        (`USE_DOT=False`) with the `reg_*` settings below instead of the tensor-core tiles; 0: never.
     """
 
     block_n: int = 32
@@ -137,17 +135,6 @@ class AttentionLaunch:
     num_stages: int = 3
     programs_per_sm: int = 4
     fuse_merge_max_splits: int = 4
-    register_max_group: int = 0
-    reg_block_n: int = 16
-    reg_num_warps: int = 2
-    reg_num_stages: int = 1
-    reg_programs_per_sm: int = 16
-
-    def settings(self, group: int) -> tuple[bool, int, int, int, int]:
-        """(use_dot, block_n, num_warps, num_stages, programs_per_sm) for a KV head of `group` query heads."""
-        if group <= self.register_max_group:
-            return False, self.reg_block_n, self.reg_num_warps, self.reg_num_stages, self.reg_programs_per_sm
-        return True, self.block_n, self.num_warps, self.num_stages, self.programs_per_sm
 
 
 ATTENTION_LAUNCH = AttentionLaunch()
@@ -165,13 +152,9 @@ def _attn_split(
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2, rows_ptr, stride_rb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_ROWS: tl.constexpr, USE_DOT: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc).
-
-    USE_DOT: the two products as `tl.dot` (tensor cores, K/V tiles staged through shared memory, G padded to 16
-    rows); without it as fp32 multiply-and-sum in registers (no shared memory, so many more programs fit an SM:
-    the small-group path, where the products are a few FMAs per byte read).
 
     Logits in log2 units: `q.k * qk_scale`, or with USE_SOFTCAP `softcap_log2 * tanh(q.k * qk_scale)` (the
     launcher folds scale / softcap into qk_scale). With HAS_ROWS each chosen page is read from the batch row that
@@ -187,7 +170,7 @@ def _attn_split(
     # All G query heads of the KV head ride along: each K/V page is read from HBM once per group.
     p_q = q_ptr + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
-    b_q = b_q.to(tl.float32) if (USE_FP32_DOT or not USE_DOT) else b_q.to(k_ptr.dtype.element_ty)
+    b_q = b_q.to(tl.float32) if USE_FP32_DOT else b_q.to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -228,9 +211,7 @@ def _attn_split(
         b_v = tl.load(p_vn + o_slot[:, None] * stride_vc + o_d[None, :] * stride_vd, mask=m_nd, other=0.0)
         if HAS_ROWS:
             b_row = tl.load(p_row + b_page, mask=b_page >= 0, other=0).to(tl.int64)
-        if not USE_DOT:
-            b_s = tl.sum(b_q[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)
-        elif USE_FP32_DOT:
+        if USE_FP32_DOT:
             b_s = tl.dot(b_q, tl.trans(b_k.to(tl.float32)), input_precision="ieee")
         else:
             b_s = tl.dot(b_q, tl.trans(b_k))
@@ -249,9 +230,7 @@ def _attn_split(
         alpha = tl.exp2(m_i - m_safe)
         b_p = tl.exp2(b_s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(b_p, axis=1)
-        if not USE_DOT:
-            b_pv = tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
-        elif USE_FP32_DOT:
+        if USE_FP32_DOT:
             b_pv = tl.dot(b_p, b_v.to(tl.float32), input_precision="ieee")
         else:
             b_pv = tl.dot(b_p.to(b_v.dtype), b_v)
@@ -279,7 +258,7 @@ def _sparse_attn_split_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr,
     FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, HAS_WINDOW_POS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_DOT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
@@ -290,8 +269,7 @@ def _sparse_attn_split_kernel(
                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
                 stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
                 H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2,
-                rows_ptr, stride_rb, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, HAS_ROWS,
-                USE_DOT)
+                rows_ptr, stride_rb, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, HAS_ROWS)
     if FUSE_MERGE:
         # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
         # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.
@@ -353,11 +331,11 @@ def _sparse_attn_merge_kernel(
                stride_od, NUM_SPLITS, D, BLOCK_D, BLOCK_S, "", USE_SINKS)
 
 
-def _num_splits(device, rows: int, n_ids: int, page_size: int, block_n: int, programs_per_sm: int) -> tuple[int, int]:
+def _num_splits(device, rows: int, n_ids: int, page_size: int, launch: AttentionLaunch) -> tuple[int, int]:
     """Split each row's page list so that about `programs_per_sm` programs run per SM; (splits, ids each)."""
-    ids_per_step = max(1, block_n // page_size)
+    ids_per_step = max(1, launch.block_n // page_size)
     steps = max(1, cdiv(n_ids, ids_per_step))
-    splits = max(1, min(steps, cdiv(programs_per_sm * num_sms(device), rows)))
+    splits = max(1, min(steps, cdiv(launch.programs_per_sm * num_sms(device), rows)))
     ids_each = cdiv(steps, splits) * ids_per_step
     return max(1, cdiv(max(n_ids, 1), ids_each)), ids_each
 
@@ -379,8 +357,7 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
                         softcap, sinks)
     check_rows(rows, B, k_cache.shape[2] // page_size, q.device)
     K = page_ids.shape[2]
-    use_dot, block_n, num_warps, num_stages, programs_per_sm = launch.settings(G)
-    splits, ids_each = _num_splits(q.device, B * H, K, page_size, block_n, programs_per_sm)
+    splits, ids_each = _num_splits(q.device, B * H, K, page_size, launch)
     m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H * G, splits, D, dtype=torch.float32, device=q.device)
@@ -397,14 +374,13 @@ def sparse_decode_attention(q, k_cache, v_cache, page_ids, valid, seq_len: int, 
         scale / softcap if softcap else scale * LOG2E, pos if window else valid_u8,
         softcap * LOG2E, sinks if sinks is not None else m_part, rows if rows is not None else page_ids,
         rows.stride(0) if rows is not None else 0,
-        G=G, G_PAD=max(16, next_pow2(G)) if use_dot else next_pow2(G), D=D, BLOCK_D=block_d, PAGE=page_size,
-        BLOCK_N=block_n,
+        G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=launch.block_n,
         # fp32 caches keep fp32 products (no tf32); the interpreter's bf16 dot is broken (triton 3.9), so
         # interpreted bf16 takes the fp32 path too.
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         FUSE_MERGE=fuse, BLOCK_S=block_s, HAS_WINDOW_POS=window > 0,
-        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, HAS_ROWS=rows is not None, USE_DOT=use_dot,
-        num_warps=num_warps, num_stages=num_stages,
+        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, HAS_ROWS=rows is not None,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if not fuse:
         _sparse_attn_merge_kernel[(B * H * G,)](

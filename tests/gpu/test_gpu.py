@@ -66,11 +66,9 @@ def test_compiled_kernels_match_their_twins_at_real_sizes(B, Hq, H, L, window):
 
 
 ATTN_PATHS = {
-    "tiles": dict(register_max_group=0),
-    "registers": dict(register_max_group=8, fuse_merge_max_splits=0),
-    "registers-fused-merge": dict(register_max_group=8, fuse_merge_max_splits=1 << 30),
-    "registers-32-tokens-4-warps": dict(register_max_group=8, reg_block_n=32, reg_num_warps=4, reg_num_stages=2,
-                                        reg_programs_per_sm=4),
+    "merge-kernel": dict(fuse_merge_max_splits=0),
+    "fused-merge": dict(fuse_merge_max_splits=1 << 30),
+    "64-token-tiles-4-warps": dict(block_n=64, num_warps=4, num_stages=2, fuse_merge_max_splits=0),
 }
 
 
@@ -82,7 +80,7 @@ ATTN_PATHS = {
     pytest.param(2, 16, 8, 8192 + 3, 129, "softcap-sinks-rows", id="G2-softcap-sinks-rows"),
 ])
 def test_attention_paths_match_their_twin_at_real_sizes(path, B, Hq, H, L, K, extras):
-    """The attention's tensor-core and register paths (`AttentionLaunch.register_max_group`), compiled, against the
+    """The compiled attention under several launches (merge kernel or last split merging, tile shapes) against the
     twin: random page lists with -1 holes, padding slots, soft-cap, sinks and a beam page table."""
     D, S = 128, 16
     C = -(-(L + 64) // S) * S + S

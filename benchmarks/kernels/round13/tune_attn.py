@@ -1,4 +1,5 @@
-"""Round 13 probe: the attention's register-product path (`AttentionLaunch.register_max_group`, `USE_DOT=False`)
+"""(Ran at commit 31decc9, where the register path existed; it was removed after this probe: no gain.)
+Round 13 probe: the attention's register-product path (`AttentionLaunch.register_max_group`, `USE_DOT=False`)
 against the tensor-core tiles, over tokens a step, warps, programs per SM and the merge, per stage and for the whole
 step (CUDA-graph replays, the bench's timer), on the shapes of issue #16's targets; then the kernels' own durations
 (torch profiler) for the default and the fastest setting of each case.
