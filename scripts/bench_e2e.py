@@ -26,7 +26,9 @@ prompt length and batch: prefill time, per-token decode latency and tokens/s ove
 With `--beams N` every method runs beam search (HF's streamer cannot follow beams: per-token times then come
 from whole calls, (t(new tokens) - t(1 token)) / (new tokens - 1)).
 Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop check is deferred.
-A quest method may name another policy, page size and bounds: `quest_graph_c:qcode1_2s/32`, `quest_graph_c:quest/16/int8`.
+A quest method may name another policy, page size and bounds: `quest_graph_c:qcode1_2s/32`, `quest_graph_c:quest/16/int8`;
+a 4th field `fused` adds fuse_projections=True (`quest_graph_c:quest/16/key_dtype/fused`; its row's same_as_unfused
+compares its tokens with the same method's run without it, when that ran first).
 `--calibrated FILE` adds one captured row (the defaults otherwise) per config of a `scripts/calibrate.py` result:
 per-layer budgets and dense layers as calibrated, named `calibrated:<file stem>=<budget>`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
@@ -193,6 +195,9 @@ def main(argv=None):
                     method, _, policy = full.partition(":")
                     policy, _, page = policy.partition("/")
                     page, _, bounds = page.partition("/")
+                    bounds, _, extra = bounds.partition("/")
+                    if config is None and extra not in ("", "fused"):
+                        raise SystemExit(f"{full!r}: the method's 4th field can only be 'fused' (fuse_projections)")
                     if config is not None:
                         method = "quest_graph_c"
                     kw = dict(num_beams=args.beams) if args.beams > 1 else {}
@@ -211,7 +216,8 @@ def main(argv=None):
                                     defer_stop_check=method != "quest_graph_c_sync",
                                     compile_capacity={"quest_exact": "exact", "quest_bucket": "bucket"}.get(method, "auto"),
                                     compile_wrapper="python" if method == "quest_pywrap" else "auto",
-                                    policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype")
+                                    policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype",
+                                    fuse_projections=extra == "fused")
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
@@ -235,6 +241,14 @@ def main(argv=None):
                         same = bool(torch.equal(out, ref))
                         if not same and out.shape == ref.shape:  # the first new token that differs
                             first_diff = int((out != ref).any(0).nonzero()[0])
+                    same_unfused = None
+                    if config is None and extra == "fused" and out is not None:  # against the same method without fused projections
+                        plain = full[:-len("/fused")]
+                        plain = plain.removesuffix("/key_dtype").removesuffix(":quest/16")
+                        for name in (plain, full[:-len("/fused")]):
+                            if tokens.get((name, budget)) is not None:
+                                same_unfused = bool(torch.equal(out, tokens[(name, budget)]))
+                                break
                     if method.startswith("quest") and out is not None:
                         # no local name for the kept cache: it would stay alive into the next row's peak memory
                         decode_path = model._quest_state.decode_path
@@ -248,6 +262,7 @@ def main(argv=None):
                                first_steps_ms=[round(t * 1e3, 2) for t in first],
                                tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
+                               same_as_unfused=same_unfused,
                                graph_replay_ms=replay, error=err)
                     if method in ("quest_graph_c", "quest_graph_c_sync"):  # proof that the compiled modules ran, and how often dynamo compiled
                         from torch._dynamo.utils import counters
@@ -319,7 +334,8 @@ def write(args, rows) -> str:
                      f"{r['peak_gib']:.1f} | {'' if r['same_as_quest'] is None else r['same_as_quest']} | "
                      f"{'' if r['graph_replay_ms'] is None else format(r['graph_replay_ms'], '.2f')} | "
                      + (f"{r['floor_ms']:.2f} | {r['floor_ms'] / r['step_ms']:.0%} |" if r.get("floor_ms") else " | |")
-                     + (f" {r['error']}" if r["error"] else ""))
+                     + (f" {r['error']}" if r["error"] else "")
+                     + ("" if r.get("same_as_unfused") is None else f" tokens = unfused: {r['same_as_unfused']}"))
     md = "\n".join(lines)
     meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

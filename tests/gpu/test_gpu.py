@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from quest_hf import QuestCache, patch_model, release_cache
+from quest_hf import QuestCache, patch_model, release_cache, unpatch_model
 from quest_hf.bench import random_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -203,3 +203,24 @@ def test_kept_cache_is_reused_and_gives_a_fresh_caches_tokens(models):
     release_cache(model)
     ref = model.generate(b, attention_mask=torch.ones_like(b), max_new_tokens=16, do_sample=False)
     assert torch.equal(out, ref)
+
+
+def test_fused_projections_captured_give_the_unfused_tokens(models):
+    """`fuse_projections=True` on the captured path: one q/k/v and one gate/up matmul a layer (cuBLAS), the same
+    greedy tokens as the separate projections, and the logits close."""
+    model = models["llama"]
+    ids = torch.randint(2, 1000, (2, 300), device=DEV, generator=torch.Generator(DEV).manual_seed(3))
+    outs = {}
+    for fuse in (False, True):
+        patch_model(model, budget=64, page_size=16, fuse_projections=fuse)
+        n = len(model.model.layers)
+        if fuse:
+            assert model._quest_state.fused.qkv == list(range(n)) and model._quest_state.fused.gate_up == list(range(n))
+        cache = QuestCache.from_model(model, max_length=ids.shape[1] + 24)
+        outs[fuse] = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=24,
+                                    do_sample=False, return_dict_in_generate=True, output_scores=True)
+        assert cache.decode_path == "captured"
+        release_cache(model)
+        unpatch_model(model)
+    assert torch.equal(outs[False].sequences, outs[True].sequences)
+    torch.testing.assert_close(torch.stack(outs[True].scores), torch.stack(outs[False].scores), atol=5e-2, rtol=1e-2)
