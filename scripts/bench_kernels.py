@@ -17,6 +17,11 @@ inside its append launch, which no row here times, as for the key-dtype bounds).
 device flag and return at once, reading and writing nothing, the reuse kernel merges the stored selection and
 the pages started since, attention) and the amortised step `(full + (K - 1) * skip) / K`.
 
+"chain" columns: the whole step 20 times back to back in one CUDA graph, rotating over the input sets, time / 20
+(`quest_hf.bench.time_graph_chain`; SDPA the same way): how a captured decode runs its layers, where the graph's own
+launch is paid once a token, not once a layer as in the one-step "graph" column. "kernels": the step's kernels'
+own durations (torch profiler, plain launches rotating over the sets), without the gaps between them.
+
 Timer: quest_hf.bench (CUDA events per call after a GPU spin, median, no L2 flush), rotating over input sets
 that together exceed L2 three times. Round 1's figures (benchmarks/kernels/round1/) were taken with
 triton.testing.do_bench instead, whose flush leaves L2 full of dirty lines (benchmarks/kernels/NOTES.md, round 2).
@@ -193,7 +198,7 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache, variants=(("ke
         # Steps back to back in one graph, as a captured decode runs its layers (SDPA the same way), and the
         # step's kernels' own durations (profiler): the launch gaps are what the chain's time has beyond them.
         t_chain = time_graph_chain([s.full for s in steps], CHAIN)
-        kernels = kernel_durations(steps[0].full)
+        kernels = kernel_durations(rotating([s.full for s in steps]))
         extra = dict(bounds=bounds, reselect_every=every, chain_us=t_chain, sdpa_chain_us=t_sdpa_chain,
                      speedup_chain=t_sdpa_chain / t_chain, kernels_us=sum(kernels.values()), kernels=kernels)
         if every > 1:  # the step between selections, and the mean over one interval
