@@ -290,18 +290,6 @@ def test_topk_launch_rejects_odd_rank_bits():
         topk_mod.TopKLaunch(rank_bits=15)
 
 
-def test_topk_warps_by_pages_only_moves_rows_past_a_power_of_two():
-    from triton_kernels import topk as topk_mod
-
-    by_pages = topk_mod.TopKLaunch(warps_by_pages=True)
-    assert topk_mod.launch_config(2053, 1, by_pages) == (4096, 4, True)  # the captured 32K decode's rows
-    assert topk_mod.launch_config(2053, 1) == (4096, 8, True)
-    for P, group in ((2048, 1), (8197, 1), (2053, 4), (256, 1), (16389, 1), (100, 4)):
-        assert topk_mod.launch_config(P, group, by_pages) == topk_mod.launch_config(P, group)
-    s = random_scores(1, 4, 2053, seed=3, ties=True)
-    assert torch.equal(tk.topk_pages(s, 129, 1, launch=by_pages), tk.topk_pages(s, 129, 1))
-
-
 @pytest.mark.parametrize("B,R,P,k,group,ties", [(1, 4, 700, 40, 4, False), (2, 2, 1000, 300, 1, True),
                                                  (1, 3, 333, 333, 3, False)])
 def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch):

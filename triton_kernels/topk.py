@@ -64,8 +64,6 @@ class TopKLaunch:
     split_union: unions of group > 1 rows in two launches (each row's threshold by its own program, then one
         program per group writes the union); False: one launch.
     block_p / num_warps: force the one-launch kernel's tile width / warps (benchmarks; None: derived).
-    warps_by_pages: warps from the row's pages rounded down to a power of two instead of from its tile (P = 2053,
-        the captured 32K decode's rows: a 4096-wide tile on 4 warps, as P = 2048, instead of 8).
     rank_bits: rows held in one tile are first ranked by a `rank_bits`-bit quantisation of their finite scores over
         the row's own range (monotonic, so the pages it ranks above the k-th bucket are exactly the best ones): a
         radix search over 16 bits instead of up to 32; only a row whose k-th pick falls inside a bucket it does
@@ -98,7 +96,6 @@ class TopKLaunch:
     rank_bits: int = 16
     chunked_union_min_pages: int | None = 2048
     union_chunk: int = 512
-    warps_by_pages: bool = False
 
 
 TOPK_LAUNCH = TopKLaunch()
@@ -475,14 +472,6 @@ def _union_write_kernel(
         tl.store(p_out + o_p * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(o_p >= i_total) & (o_p < K_OUT))
 
 
-def prev_pow2(n: int) -> int:
-    """The largest power of two <= n (1 for n <= 1)."""
-    p = 1
-    while p * 2 <= n:
-        p *= 2
-    return p
-
-
 def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
     g_pad = next_pow2(group)
@@ -491,11 +480,8 @@ def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     if not single:
         block_p = max(16, launch.max_tile // g_pad)
     keys = g_pad * block_p
-    # warps_by_pages: a row just past a power of two (2053 capacity pages) gets the warps of its pages, not of
-    # its power-of-two tile's (the padding lanes then cost registers, not warps).
-    live = g_pad * prev_pow2(P) if launch.warps_by_pages and single else keys
     warps = launch.big_tile_warps if keys > 16384 else max(1, min(launch.max_warps,
-                                                                    live // (32 * launch.keys_per_thread)))
+                                                                    keys // (32 * launch.keys_per_thread)))
     return block_p, warps, single
 
 
