@@ -92,8 +92,11 @@ class QuestConfig:
             weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
             one matmul per group instead of three and two (quest_hf/fuse_proj.py; with `compile_decode` the fused
             MLP is what compiles). Aimed at batch-1 decode, where the weight GEMVs and their split-K reduce kernels
-            dominate the step; NOT YET MEASURED on a GPU: whether it lowers the step there, and whether cuBLAS's
-            fused GEMV rounds exactly as the separate ones (tokens could differ at near ties), is untested. Layers
+            dominate the step. On an H200 (benchmarks/e2e/run18) the captured step goes 6.00 -> 5.52 ms/token at
+            Llama-2-7B/32K and 7.10 -> 6.65 at Llama-3-8B/128K, but cuBLAS's one GEMM over the concatenated weight
+            does not round as the separate ones: the greedy tokens of those random-weight models differ from the
+            unfused run's (near ties flip; a tiny model's 24 tokens are the same, tests/gpu/test_gpu.py); hence off
+            by default. Layers
             whose modules do not fit are left unfused; `model._quest_state.fused` lists what was fused and why the
             rest was not. While patched the q/k/v (gate/up) weights share one storage (transformers 5.24's
             `save_pretrained` still writes and reloads them exactly); `unpatch_model`, or re-patching with
