@@ -130,9 +130,16 @@ def _projection_forward(method: Method, x, *args, **kwargs):
 
 
 def gate_up_forward(mlp, x, weight, bias, sizes):
-    """LlamaMLP's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, gate and up from one matmul over [W_gate; W_up]."""
+    """LlamaMLP's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, gate and up from one matmul over [W_gate; W_up].
+
+    The product is taken in place in `act_fn(gate)`'s output: the [gate | up] output lives until the product is
+    done (both halves are views of it), so a fresh product would hold one more up-sized tensor than HF's unfused
+    forward at its peak (a 128K-token Llama-3-8B prefill: 3.5 GiB, benchmarks/e2e/run18). Where autograd records
+    the activation (an input that requires grad) the product is a fresh tensor, as autograd may need it; where
+    act_fn returns its input, that input is a view of this call's own buffer, so nothing else sees the change."""
     gate, up = F.linear(x, weight, bias).split(sizes, dim=-1)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
+    act = mlp.act_fn(gate)
+    return mlp.down_proj(act * up if act.requires_grad else act.mul_(up))
 
 
 def _mlp_forward(method: Method, x, *args, **kwargs):

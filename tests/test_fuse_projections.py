@@ -89,6 +89,25 @@ def test_fused_logits_and_the_exact_fallback(single_thread):
     unpatch_model(model)
 
 
+def test_gate_up_forward_product_in_place_unless_autograd_records_it(single_thread):
+    # The product goes into act_fn's output (no extra up-sized buffer at a long prefill's peak); an input that
+    # requires grad gets a fresh product, so an activation whose backward reads its output still differentiates.
+    torch.manual_seed(0)
+    mlp = tiny_model("llama").model.layers[0].mlp
+    weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+    sizes = [mlp.gate_proj.out_features, mlp.up_proj.out_features]
+    x = torch.randn(2, 5, mlp.gate_proj.in_features)
+    with torch.no_grad():
+        want = mlp.down_proj(mlp.act_fn(F.linear(x, weight[:sizes[0]])) * F.linear(x, weight[sizes[0]:]))
+        assert torch.equal(gate_up_forward(mlp, x, weight, None, sizes), want)
+    mlp.act_fn = torch.nn.Sigmoid()  # backward from its output: an in-place product would break it
+    xg = x.clone().requires_grad_()
+    gate_up_forward(mlp, xg, weight, None, sizes).sum().backward()
+    ref = x.clone().requires_grad_()
+    mlp.down_proj(torch.sigmoid(F.linear(ref, weight[:sizes[0]])) * F.linear(ref, weight[sizes[0]:])).sum().backward()
+    torch.testing.assert_close(xg.grad, ref.grad)
+
+
 def test_no_weight_copied_and_unpatch_gives_each_its_own(single_thread):
     model = tiny_model("qwen2")
     original = {k: v.clone() for k, v in model.state_dict().items()}
