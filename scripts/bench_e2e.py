@@ -241,13 +241,16 @@ def main(argv=None):
                         same = bool(torch.equal(out, ref))
                         if not same and out.shape == ref.shape:  # the first new token that differs
                             first_diff = int((out != ref).any(0).nonzero()[0])
-                    same_unfused = None
+                    same_unfused = first_diff_unfused = None
                     if config is None and extra == "fused" and out is not None:  # against the same method without fused projections
                         plain = full[:-len("/fused")]
                         plain = plain.removesuffix("/key_dtype").removesuffix(":quest/16")
                         for name in (plain, full[:-len("/fused")]):
-                            if tokens.get((name, budget)) is not None:
-                                same_unfused = bool(torch.equal(out, tokens[(name, budget)]))
+                            ref = tokens.get((name, budget))
+                            if ref is not None:
+                                same_unfused = bool(torch.equal(out, ref))
+                                if not same_unfused and out.shape == ref.shape:  # the first new token that differs
+                                    first_diff_unfused = int((out != ref).any(0).nonzero()[0])
                                 break
                     if method.startswith("quest") and out is not None:
                         # no local name for the kept cache: it would stay alive into the next row's peak memory
@@ -262,7 +265,7 @@ def main(argv=None):
                                first_steps_ms=[round(t * 1e3, 2) for t in first],
                                tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
-                               same_as_unfused=same_unfused,
+                               same_as_unfused=same_unfused, first_diff_unfused=first_diff_unfused,
                                graph_replay_ms=replay, error=err)
                     if method in ("quest_graph_c", "quest_graph_c_sync"):  # proof that the compiled modules ran, and how often dynamo compiled
                         from torch._dynamo.utils import counters
