@@ -3,8 +3,9 @@
 Rows are the score matrices a decode step hands to `topk_pages` (fp32 `[B, R, P]`, random bounds, the last
 page forced to +inf): MHA (R = 32 KV heads, group 1), GQA union (R = 32 query heads, groups of 4) and GQA
 shared score (R = 8), at P = 2048 (32K tokens), 2053 (a static cache of 32K + 128 tokens + a spare page:
-what the captured decode sees) and 8192 (128K), batch 1 and 8. Each kernel is timed as a CUDA-graph replay
-(quest_hf.bench's timer, median, rotating over 4 input sets) and checked against `topk_pages_ref`.
+what the captured decode sees) and 8192 (128K), batch 1 and 8. Each kernel is timed in CUDA-graph replays
+(quest_hf.bench's timer, median, 20 calls back to back in one graph rotating over 4 input sets) and checked
+against `topk_pages_ref`.
 
     python benchmarks/kernels/bench_topk.py [--other path/to/old_topk.py] [--configs KEYS_PER_THREAD=32,...]
 
@@ -21,7 +22,7 @@ from functools import partial
 import torch
 
 import triton_kernels as tk
-from quest_hf.bench import results_dir, time_graph
+from quest_hf.bench import results_dir, time_graph_chain
 from triton_kernels import topk as topk_mod
 
 CASES = [  # name, B, R, P, k, group
@@ -33,9 +34,11 @@ CASES = [  # name, B, R, P, k, group
 ]
 
 
-def graph_us(fn, sets, reps=200):
-    """Median us of one graph replay of `fn(s)`, one graph per input set, replays rotated."""
-    return time_graph([lambda s=s: fn(s) for s in sets], iters=reps)
+def graph_us(fn, sets, reps=50):
+    """Median us a call of `fn(s)` with 20 calls back to back in one CUDA graph, rotating over the input sets
+    (`time_graph_chain`): a one-call graph's replay carries the graph's own launch, which varied by 2-4 us between
+    cases of one run (benchmarks/e2e/run18)."""
+    return time_graph_chain([lambda s=s: fn(s) for s in sets], 20, iters=reps)
 
 
 def call(fn, s, k, group):
