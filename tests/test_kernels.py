@@ -309,6 +309,49 @@ def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch)
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["ties", "negative", "denormal", "inf-beyond-k", "all-equal", "close",
+                                  "ties-in-tail"])
+@pytest.mark.parametrize("B,R,P,k,group,how", [
+    (2, 3, 300, 20, 1, "one"), (1, 4, 257, 33, 4, "split"), (1, 4, 257, 33, 4, "one"), (1, 4, 300, 40, 4, "serial"),
+    (1, 4, 2053, 129, 4, "split"), (1, 2, 2053, 129, 1, "one"), (2, 2, 300, 40, 1, "mask"), (1, 4, 300, 33, 4, "mask"),
+    (1, 2, 300, 40, 1, "rank0"),
+])
+def test_topk_tail_tile_gives_the_one_tiles_ids(kind, B, R, P, k, group, how):
+    # TopKLaunch(tail_tile): a row just past a power of two as that tile plus a tail tile, the same ids as the one
+    # widened tile (ties to the lowest ids across both tiles), every path: one launch, split union (serial and
+    # chunked pass 2), mask_rest, the 32-bit search.
+    from triton_kernels import topk as topk_mod
+
+    s = _adversarial_rows("ties" if kind == "ties-in-tail" else kind, B, R, P, k, seed=P + k)
+    if kind == "ties-in-tail":  # the k-th score shared by pages on both sides of the tile's edge
+        block = 1 << (P.bit_length() - 1)
+        s[..., block - 40: P - 1] = 0.5
+    base = dict(split_union=how != "one", rank_bits=0 if how == "rank0" else 16,
+                chunked_union_min_pages=None if how == "serial" else 2048)
+    plain, tail = topk_mod.TopKLaunch(**base), topk_mod.TopKLaunch(**base, tail_tile=64)
+    assert topk_mod.tail_config(P, group, tail)[0] and not topk_mod.tail_config(P, group, plain)[0]
+    mask = how == "mask"
+    s_plain, s_tail = s.clone(), s.clone()
+    want = tk.topk_pages(s_plain, k, group, mask_rest=mask, launch=plain)
+    got = tk.topk_pages(s_tail, k, group, mask_rest=mask, launch=tail)
+    assert torch.equal(got, want)
+    assert torch.equal(s_tail, s_plain)  # mask_rest: the same scores set to -inf (else both untouched)
+
+
+def test_topk_tail_config_picks_rows_just_past_a_power_of_two():
+    from triton_kernels import topk as topk_mod
+
+    on = topk_mod.TopKLaunch(tail_tile=64)
+    assert topk_mod.tail_config(2053, 1, on) == (2048, 16) and topk_mod.launch_config(2053, 1, on) == (2048, 4, True)
+    assert topk_mod.tail_config(8197, 1, on) == (8192, 16)
+    assert topk_mod.tail_config(8197, 4, on) == (0, 0)  # 4 x 8208 keys: over max_tile, the tiled path
+    assert topk_mod.tail_config(2100, 1, on) == (2048, 64)
+    for P in (2048, 2200, 255, 100):  # a power of two, too far past one, too short
+        assert topk_mod.tail_config(P, 1, on) == (0, 0)
+    assert topk_mod.tail_config(16389, 4, on) == (0, 0)  # over max_tile: the tiled path
+    assert topk_mod.tail_config(2053, 1) == (0, 0)  # off by default
+
+
 @pytest.mark.parametrize("tile", [None, 256], ids=["one-tile", "tiled"])
 @pytest.mark.parametrize("B,R,P,k,group", [(1, 4, 700, 40, 4), (2, 6, 300, 20, 3), (2, 8, 17, 100, 8), (1, 2, 64, 5, 2)])
 def test_topk_union_in_two_launches_equals_one(B, R, P, k, group, tile, monkeypatch):

@@ -64,6 +64,10 @@ class TopKLaunch:
     split_union: unions of group > 1 rows in two launches (each row's threshold by its own program, then one
         program per group writes the union); False: one launch.
     block_p / num_warps: force the one-launch kernel's tile width / warps (benchmarks; None: derived).
+    tail_tile: rows at most this many pages past a power of two B >= 256 (the captured 32K decode's 2053, 128K's
+        8197) are held as a B-key tile and a small tail tile instead of one 2B-wide tile (`tail_config`); every
+        reduction and the compaction cover both; 0 (default): off. Same ids as one tile (tests/test_kernels.py);
+        its speed is not yet measured on a GPU.
     rank_bits: rows held in one tile are first ranked by a `rank_bits`-bit quantisation of their finite scores over
         the row's own range (monotonic, so the pages it ranks above the k-th bucket are exactly the best ones): a
         radix search over 16 bits instead of up to 32; only a row whose k-th pick falls inside a bucket it does
@@ -96,6 +100,7 @@ class TopKLaunch:
     rank_bits: int = 16
     chunked_union_min_pages: int | None = 2048
     union_chunk: int = 512
+    tail_tile: int = 0
 
 
 TOPK_LAUNCH = TopKLaunch()
@@ -153,16 +158,42 @@ def _prefix_start(i_min, i_max, m_search):
 
 
 @triton.jit
-def _radix_tile(b_key, i_lo, i_shift, i_cnt, KK):
-    """Radix search, 2 bits a pass, over one tile `b_key [G, N]` held in registers, every row in the same passes:
-    the KK-th largest key T of each row stays in [i_lo, i_lo + 2^i_shift); `i_cnt` keys are >= i_lo. A row stops
-    as soon as exactly KK keys are >= i_lo (then every key >= i_lo is chosen). Returns (i_lo, i_cnt)."""
+def _radix_tile(b_key, i_lo, i_shift, i_cnt, KK, b_tail, HAS_TAIL: tl.constexpr):
+    """Radix search, 2 bits a pass, over one tile `b_key [G, N]` held in registers (with HAS_TAIL also the row's
+    tail tile `b_tail [G, T]`), every row in the same passes: the KK-th largest key T of each row stays in
+    [i_lo, i_lo + 2^i_shift); `i_cnt` keys are >= i_lo. A row stops as soon as exactly KK keys are >= i_lo (then
+    every key >= i_lo is chosen). Returns (i_lo, i_cnt)."""
     while tl.max(i_shift, axis=0) > 0:
         i_s = tl.maximum(i_shift - 2, 0)
         # Wrapping int32 arithmetic: i_lo + 3 << i_s stays below i_lo + 2^i_shift <= 2^31.
-        i_pack = _counts_ge(b_key, i_lo + (1 << i_s), i_lo + (2 << i_s), i_lo + (3 << i_s))
+        t1, t2, t3 = i_lo + (1 << i_s), i_lo + (2 << i_s), i_lo + (3 << i_s)
+        i_pack = _counts_ge(b_key, t1, t2, t3)
+        if HAS_TAIL:
+            i_pack += _counts_ge(b_tail, t1, t2, t3)
         i_lo, i_cnt, i_shift = _radix_digit(i_pack, i_lo, i_shift, i_cnt, KK)
     return i_lo, i_cnt
+
+
+@triton.jit
+def _tail_max(x, b_tail, HAS_TAIL: tl.constexpr):
+    # x, joined by the row-wise max of the tail tile (reductions over a row held as a tile and its tail)
+    if HAS_TAIL:
+        x = tl.maximum(x, tl.max(b_tail, axis=1))
+    return x
+
+
+@triton.jit
+def _tail_min(x, b_tail, HAS_TAIL: tl.constexpr):
+    if HAS_TAIL:
+        x = tl.minimum(x, tl.min(b_tail, axis=1))
+    return x
+
+
+@triton.jit
+def _tail_sum(x, b_tail, HAS_TAIL: tl.constexpr):
+    if HAS_TAIL:
+        x += tl.sum(b_tail, axis=1)
+    return x
 
 
 @triton.jit
@@ -183,34 +214,56 @@ def _radix_digit(i_pack, i_lo, i_shift, i_cnt, KK):
 
 
 @triton.jit
-def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr):
+def _ranks(b_key, i_min, scale, Q_TOP: tl.constexpr):
+    """A tile's ranks (see `_ranked_threshold`)."""
+    m_fin = b_key > NEG_INF_KEY
+    m_real = m_fin & (b_key < POS_INF_KEY)
+    f_lo = _key_float(i_min)
+    b_r = tl.minimum(tl.maximum((_key_float(b_key) - f_lo[:, None]) * scale[:, None], 0.0), Q_TOP - 1.0)
+    return tl.where(m_real, b_r.to(tl.int32), tl.where(m_fin, Q_TOP, -1))
+
+
+@triton.jit
+def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr, b_tail, HAS_TAIL: tl.constexpr):
     """Each row's KK-th largest key T of one tile `b_key [G, N]` (rows with at most KK finite keys: -inf), searched
     first on ranks: `rank = floor((score - lo) * (2^RANK_BITS - 2) / (hi - lo))` over the row's finite scores in
     [lo, hi], +inf -> 2^RANK_BITS - 1, -inf and padding -> -1. The map never decreases, so keys of a higher rank are
     higher keys: every key ranked above the KK-th pick's bucket is chosen, none below it, and only a row taking
-    part of that bucket searches its exact keys (rare at 16 bits: a bucket is ~2^-14 of the row's range)."""
+    part of that bucket searches its exact keys (rare at 16 bits: a bucket is ~2^-14 of the row's range).
+    HAS_TAIL: the row's keys past the tile are `b_tail`, ranked and searched with it."""
     Q_TOP: tl.constexpr = (1 << RANK_BITS) - 1
-    m_fin = b_key > NEG_INF_KEY
-    m_real = m_fin & (b_key < POS_INF_KEY)
-    i_hi = tl.max(tl.where(m_real, b_key, INT_MIN), axis=1)
-    f_lo = _key_float(i_min)
-    span = _key_float(i_hi) - f_lo
+    i_hi = tl.max(tl.where((b_key > NEG_INF_KEY) & (b_key < POS_INF_KEY), b_key, INT_MIN), axis=1)
+    if HAS_TAIL:
+        i_hi = tl.maximum(i_hi, tl.max(tl.where((b_tail > NEG_INF_KEY) & (b_tail < POS_INF_KEY), b_tail, INT_MIN),
+                                       axis=1))
+    span = _key_float(i_hi) - _key_float(i_min)
     scale = (Q_TOP - 1) / tl.where(i_hi > i_min, span, 1.0)
     # No spread, an overflowing span or a denormal one: every finite key in rank 0 (the bucket search decides).
     scale = tl.where((i_hi > i_min) & (span < float("inf")) & (scale < float("inf")), scale, 0.0)
-    b_r = tl.minimum(tl.maximum((_key_float(b_key) - f_lo[:, None]) * scale[:, None], 0.0), Q_TOP - 1.0)
-    b_rank = tl.where(m_real, b_r.to(tl.int32), tl.where(m_fin, Q_TOP, -1))
-    r_lo, r_cnt = _radix_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK)
+    b_rank = _ranks(b_key, i_min, scale, Q_TOP)
+    t_rank = _ranks(b_tail, i_min, scale, Q_TOP) if HAS_TAIL else b_tail
+    r_lo, r_cnt = _radix_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK,
+                              t_rank, HAS_TAIL)
     # Rows taking the whole of rank r_lo and above (exactly KK keys): T is the least of those keys.
-    i_lo = tl.min(tl.where(m_fin & (b_rank >= r_lo[:, None]), b_key, INT_MAX), axis=1)
+    i_lo = tl.min(tl.where((b_key > NEG_INF_KEY) & (b_rank >= r_lo[:, None]), b_key, INT_MAX), axis=1)
+    if HAS_TAIL:
+        i_lo = tl.minimum(i_lo, tl.min(tl.where((b_tail > NEG_INF_KEY) & (t_rank >= r_lo[:, None]), b_tail, INT_MAX),
+                                       axis=1))
     m_part = m_search & (r_cnt > KK)
     if tl.max(m_part.to(tl.int32), axis=0) > 0:
         c_gt = tl.sum((b_rank > r_lo[:, None]).to(tl.int32), axis=1)
         b_bucket = tl.where(m_part[:, None] & (b_rank == r_lo[:, None]), b_key, INT_MIN)
         i_bmax = tl.max(b_bucket, axis=1)
         i_bmin = tl.min(tl.where(b_bucket > INT_MIN, b_bucket, INT_MAX), axis=1)
+        if HAS_TAIL:
+            c_gt += tl.sum((t_rank > r_lo[:, None]).to(tl.int32), axis=1)
+            t_bucket = tl.where(m_part[:, None] & (t_rank == r_lo[:, None]), b_tail, INT_MIN)
+            i_bmax = tl.maximum(i_bmax, tl.max(t_bucket, axis=1))
+            i_bmin = tl.minimum(i_bmin, tl.min(tl.where(t_bucket > INT_MIN, t_bucket, INT_MAX), axis=1))
+        else:
+            t_bucket = b_tail
         b_lo, b_shift = _prefix_start(i_bmin, i_bmax, m_part)
-        b_lo, _ = _radix_tile(b_bucket, b_lo, b_shift, r_cnt - c_gt, KK - c_gt)
+        b_lo, _ = _radix_tile(b_bucket, b_lo, b_shift, r_cnt - c_gt, KK - c_gt, t_bucket, HAS_TAIL)
         i_lo = tl.where(m_part, b_lo, i_lo)
     return tl.where(m_search, i_lo, NEG_INF_KEY)
 
@@ -219,23 +272,31 @@ def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr
 def _topk_rows(
     p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr,
+    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, TAIL: tl.constexpr,
 ):
     """The KK best of each of the GROUP score rows at `p_rows`, united, ascending, -1 padded to K_OUT at `p_out`."""
-    i_lo, i_need, b_key1 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE,
-                                           RANK_BITS)
+    i_lo, i_need, b_key1, b_key2 = _row_thresholds(p_rows, stride_sr, stride_sp, P, KK, GROUP, GROUP_PAD, BLOCK_P,
+                                                   SINGLE_TILE, RANK_BITS, TAIL)
     _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
-                GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST)
+                GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST, b_key2, TAIL)
 
 
 @triton.jit
 def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-                    RANK_BITS: tl.constexpr):
+                    RANK_BITS: tl.constexpr, TAIL: tl.constexpr):
     """Per row of the GROUP at `p_rows`: its KK-th largest key T and how many keys equal to T it takes (after
-    all keys above T); and, with SINGLE_TILE, the [GROUP_PAD, BLOCK_P] keys (else a placeholder)."""
+    all keys above T); and, with SINGLE_TILE, the [GROUP_PAD, BLOCK_P] keys (else a placeholder) and, with TAIL > 0
+    (a single tile whose row runs past it: `TopKLaunch.tail_tile`), the [GROUP_PAD, TAIL] keys from BLOCK_P on
+    (else a placeholder)."""
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
+    HAS_TAIL: tl.constexpr = TAIL > 0
+    TAIL_W: tl.constexpr = TAIL if TAIL > 0 else 16
+    if HAS_TAIL:
+        b_key2 = _load_keys(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL_W), stride_sr, stride_sp, GROUP, P)
+    else:
+        b_key2 = tl.zeros([GROUP_PAD, TAIL_W], dtype=tl.int32)  # unused
 
     # Phase 1, all rows of the group at once: each row's KK-th largest key T.
     # (a) Only the bits where the row's finite keys differ need searching: start from the common prefix of
@@ -243,9 +304,10 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
     if SINGLE_TILE:
         b_key1 = _load_keys(p_rows, o_r, o_n, stride_sr, stride_sp, GROUP, P)
         m_fin = b_key1 > NEG_INF_KEY
-        n_fin = tl.sum(m_fin.to(tl.int32), axis=1)
-        i_max = tl.max(b_key1, axis=1)
-        i_min = tl.min(tl.where(m_fin, b_key1, INT_MAX), axis=1)
+        n_fin = _tail_sum(tl.sum(m_fin.to(tl.int32), axis=1), (b_key2 > NEG_INF_KEY).to(tl.int32), HAS_TAIL)
+        i_max = _tail_max(tl.max(b_key1, axis=1), b_key2, HAS_TAIL)
+        i_min = _tail_min(tl.min(tl.where(m_fin, b_key1, INT_MAX), axis=1),
+                          tl.where(b_key2 > NEG_INF_KEY, b_key2, INT_MAX), HAS_TAIL)
     else:
         b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)  # unused: the tiles are re-read
         n_fin = tl.zeros([GROUP_PAD], dtype=tl.int32)
@@ -259,13 +321,13 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
             i_min = tl.minimum(i_min, tl.min(tl.where(m_fin, b_key, INT_MAX), axis=1))
     m_search = n_fin > KK
     if SINGLE_TILE and RANK_BITS > 0:
-        i_lo = _ranked_threshold(b_key1, n_fin, i_min, m_search, KK, RANK_BITS)
+        i_lo = _ranked_threshold(b_key1, n_fin, i_min, m_search, KK, RANK_BITS, b_key2, HAS_TAIL)
     else:
         i_lo, i_shift = _prefix_start(i_min, i_max, m_search)
         # keys >= i_lo, or fewer when i_lo = INT_MIN (only ever compared with KK, which it exceeds)
         i_cnt = n_fin
         if SINGLE_TILE:
-            i_lo, i_cnt = _radix_tile(b_key1, i_lo, i_shift, i_cnt, KK)
+            i_lo, i_cnt = _radix_tile(b_key1, i_lo, i_shift, i_cnt, KK, b_key2, HAS_TAIL)
         else:
             # (b) Radix search, 2 bits a pass, every row in the same passes, re-reading the tiles each pass.
             while tl.max(i_shift, axis=0) > 0:
@@ -281,45 +343,60 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
 
     # (c) How many keys equal to T each row still needs after all keys above it.
     if SINGLE_TILE:
-        i_gt = tl.sum((b_key1 > i_lo[:, None]).to(tl.int32), axis=1)
+        i_gt = _tail_sum(tl.sum((b_key1 > i_lo[:, None]).to(tl.int32), axis=1),
+                         (b_key2 > i_lo[:, None]).to(tl.int32), HAS_TAIL)
     else:
         i_gt = tl.zeros([GROUP_PAD], dtype=tl.int32)
         for i_p0 in range(0, P, BLOCK_P):
             b_key = _load_keys(p_rows, o_r, i_p0 + o_n, stride_sr, stride_sp, GROUP, P)
             i_gt += tl.sum((b_key > i_lo[:, None]).to(tl.int32), axis=1)
-    return i_lo, KK - i_gt, b_key1
+    return i_lo, KK - i_gt, b_key1, b_key2
+
+
+@triton.jit
+def _pick_tile(p_rows, p_out, b_key, o_p, i_lo, i_need, i_out, b_seen, stride_sr, stride_sp, stride_ok, P,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr, MASK_REST: tl.constexpr):
+    """One tile of `_pick_union` (keys `b_key` of pages `o_p`): its picks written after the `i_out` ids already
+    there, the rows' ties ranked after the `b_seen` of earlier tiles. Returns the new (i_out, b_seen)."""
+    o_r = tl.arange(0, GROUP_PAD)
+    b_eq = (b_key == i_lo[:, None]).to(tl.int32)
+    b_rank = tl.cumsum(b_eq, axis=1) - 1 + b_seen[:, None]
+    m_pick = (b_key > i_lo[:, None]) | ((b_eq != 0) & (b_rank < i_need[:, None]))
+    m_pick = m_pick & (b_key > NEG_INF_KEY)
+    if MASK_REST:  # this tile's keys are read for the last time: overwrite the unchosen ones with -inf
+        m_in = (o_r[:, None] < GROUP) & (o_p[None, :] < P)
+        tl.store(p_rows + o_r[:, None] * stride_sr + o_p[None, :] * stride_sp,
+                 tl.full([GROUP_PAD, BLOCK], float("-inf"), tl.float32), mask=m_in & ~m_pick)
+    b_union = tl.max(m_pick.to(tl.int32), axis=0)
+    b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
+    tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
+    return i_out + tl.sum(b_union, axis=0), b_seen + tl.sum(b_eq, axis=1)
 
 
 @triton.jit
 def _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, stride_ok, P, K_OUT,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-                MASK_REST: tl.constexpr):
-    """Given each row's threshold T (`i_lo`) and ties to take (`i_need`): the union of the rows' picks."""
+                MASK_REST: tl.constexpr, b_key2, TAIL: tl.constexpr):
+    """Given each row's threshold T (`i_lo`) and ties to take (`i_need`): the union of the rows' picks (TAIL > 0:
+    the single tile `b_key1`, then the tail tile `b_key2` of the pages from BLOCK_P on)."""
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
     # Phase 2: per tile, each row picks keys above T plus its lowest-index ties at T; the tile's union over
     # the group is compacted (ascending by construction) after the ids already written.
     i_out = tl.zeros([], dtype=tl.int32)
     b_seen = tl.zeros([GROUP_PAD], dtype=tl.int32)
-    for i_p0 in range(0, P, BLOCK_P):
-        o_p = i_p0 + o_n
-        if SINGLE_TILE:
-            b_key = b_key1
-        else:
+    if SINGLE_TILE:
+        i_out, b_seen = _pick_tile(p_rows, p_out, b_key1, o_n, i_lo, i_need, i_out, b_seen, stride_sr, stride_sp,
+                                   stride_ok, P, GROUP, GROUP_PAD, BLOCK_P, MASK_REST)
+        if TAIL > 0:
+            i_out, b_seen = _pick_tile(p_rows, p_out, b_key2, BLOCK_P + tl.arange(0, TAIL), i_lo, i_need, i_out,
+                                       b_seen, stride_sr, stride_sp, stride_ok, P, GROUP, GROUP_PAD, TAIL, MASK_REST)
+    else:
+        for i_p0 in range(0, P, BLOCK_P):
+            o_p = i_p0 + o_n
             b_key = _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, GROUP, P)
-        b_eq = (b_key == i_lo[:, None]).to(tl.int32)
-        b_rank = tl.cumsum(b_eq, axis=1) - 1 + b_seen[:, None]
-        m_pick = (b_key > i_lo[:, None]) | ((b_eq != 0) & (b_rank < i_need[:, None]))
-        m_pick = m_pick & (b_key > NEG_INF_KEY)
-        if MASK_REST:  # this tile's keys are read for the last time: overwrite the unchosen ones with -inf
-            m_in = (o_r[:, None] < GROUP) & (o_p[None, :] < P)
-            tl.store(p_rows + o_r[:, None] * stride_sr + o_p[None, :] * stride_sp,
-                     tl.full([GROUP_PAD, BLOCK_P], float("-inf"), tl.float32), mask=m_in & ~m_pick)
-        b_union = tl.max(m_pick.to(tl.int32), axis=0)
-        b_pos = i_out + tl.cumsum(b_union, axis=0) - 1
-        tl.store(p_out + b_pos * stride_ok, o_p, mask=b_union != 0)
-        i_out += tl.sum(b_union, axis=0)
-        b_seen += tl.sum(b_eq, axis=1)
+            i_out, b_seen = _pick_tile(p_rows, p_out, b_key, o_p, i_lo, i_need, i_out, b_seen, stride_sr, stride_sp,
+                                       stride_ok, P, GROUP, GROUP_PAD, BLOCK_P, MASK_REST)
     for i_k0 in range(0, K_OUT, BLOCK_P):
         o_k = i_k0 + o_n
         tl.store(p_out + o_k * stride_ok, tl.full([BLOCK_P], -1, tl.int32), mask=(o_k >= i_out) & (o_k < K_OUT))
@@ -332,7 +409,7 @@ def _topk_pages_kernel(
     stride_ob, stride_or, stride_ok,
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
+    MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr, TAIL: tl.constexpr,
 ):
     # HAS_DUE (selection reuse): on a step that reuses its stored pages every program returns here, having read
     # one flag and nothing of its row, so the launch (fixed grid: a captured step) is nearly empty.
@@ -342,20 +419,21 @@ def _topk_pages_kernel(
         i_g = i_bg % R_OUT
         _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
                    stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST,
-                   RANK_BITS)
+                   RANK_BITS, TAIL)
 
 
 @triton.jit
 def _topk_thresholds_kernel(
     s_ptr, thr_ptr, need_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
     BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
+    TAIL: tl.constexpr,
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group).
     A reusing step (HAS_DUE, flag 0) writes no threshold: pass 2 reads the same flag and none."""
     if due_flag(due_ptr, HAS_DUE) != 0:
         i_row = tl.program_id(0).to(tl.int64)
-        i_lo, i_need, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr,
-                                          stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS)
+        i_lo, i_need, _, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr,
+                                             stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS, TAIL)
         o_1 = tl.arange(0, 1)
         tl.store(thr_ptr + i_row + o_1, i_lo)
         tl.store(need_ptr + i_row + o_1, i_need)
@@ -367,7 +445,7 @@ def _topk_union_kernel(
     stride_sb, stride_sr, stride_sp, stride_ob, stride_or, stride_ok,
     R_OUT, P, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    HAS_DUE: tl.constexpr,
+    HAS_DUE: tl.constexpr, TAIL: tl.constexpr,
 ):
     """Split union, pass 2: one program per group unites its rows' picks given their thresholds (none on a
     reusing step: HAS_DUE, flag 0, returns before reading them or the scores)."""
@@ -384,8 +462,13 @@ def _topk_union_kernel(
             b_key1 = _load_keys(p_rows, o_r, tl.arange(0, BLOCK_P), stride_sr, stride_sp, GROUP, P)
         else:
             b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)
+        TAIL_W: tl.constexpr = TAIL if TAIL > 0 else 16
+        if TAIL > 0:
+            b_key2 = _load_keys(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL_W), stride_sr, stride_sp, GROUP, P)
+        else:
+            b_key2 = tl.zeros([GROUP_PAD, TAIL_W], dtype=tl.int32)  # unused
         _pick_union(p_rows, out_ptr + i_b * stride_ob + i_g * stride_or, b_key1, i_lo, i_need, stride_sr,
-                    stride_sp, stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False)
+                    stride_sp, stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False, b_key2, TAIL)
 
 
 @triton.jit
@@ -472,9 +555,28 @@ def _union_write_kernel(
         tl.store(p_out + o_p * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(o_p >= i_total) & (o_p < K_OUT))
 
 
+def tail_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH) -> tuple[int, int]:
+    """(BLOCK_P, TAIL) for a row held in registers as a power-of-two tile and a tail tile (`TopKLaunch.tail_tile`),
+    or (0, 0) where the row is one tile: a row of P pages at most `tail_tile` past a power of two B >= 256 is held
+    as B keys and next_pow2(P - B) (>= 16) keys, instead of 2B."""
+    if not launch.tail_tile or P < 256:
+        return 0, 0
+    block = 1 << (P.bit_length() - 1)
+    tail = max(16, next_pow2(P - block))
+    if P == block or P - block > launch.tail_tile or next_pow2(group) * (block + tail) > launch.max_tile:
+        return 0, 0
+    return block, tail
+
+
 def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
-    """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group`."""
+    """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group` (with `tail_config`'s tail:
+    BLOCK_P is the power-of-two part, the warps are its)."""
     g_pad = next_pow2(group)
+    tail_block, _ = tail_config(P, group, launch)
+    if tail_block:
+        keys = g_pad * tail_block
+        warps = max(1, min(launch.max_warps, keys // (32 * launch.keys_per_thread)))
+        return tail_block, warps, True
     block_p = max(16, next_pow2(P))
     single = g_pad * block_p <= launch.max_tile
     if not single:
@@ -510,15 +612,16 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
         _split_union(scores, out, k, group, launch, due)
         return out
     block_p, warps, single = launch_config(P, group, launch)
+    _, tail = tail_config(P, group, launch)
     if launch.block_p is not None:
-        block_p, single = launch.block_p, launch.block_p >= P
+        block_p, single, tail = launch.block_p, launch.block_p >= P, 0
     _topk_pages_kernel[(B * (R // group),)](
         scores, out, due_arg(due, out),
         scores.stride(0), scores.stride(1), scores.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, num_warps=launch.num_warps or warps,
+        RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail, num_warps=launch.num_warps or warps,
     )
     return out
 
@@ -541,7 +644,8 @@ def _thresholds(scores, k, launch, due=None):
     block_p, warps, single = launch_config(P, 1, launch)
     _topk_thresholds_kernel[(B * R,)](
         scores, thr, need, flag, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
-        BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, num_warps=warps,
+        BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, HAS_DUE=due is not None,
+        TAIL=tail_config(P, 1, launch)[1], num_warps=warps,
     )
     return thr, need
 
@@ -556,7 +660,7 @@ def _serial_union(scores, thr, need, out, group, launch, due=None):
         scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
         R // group, P, out.shape[2],
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, HAS_DUE=due is not None,
-        num_warps=warps,
+        TAIL=tail_config(P, group, launch)[1], num_warps=warps,
     )
 
 

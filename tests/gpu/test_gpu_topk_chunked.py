@@ -1,5 +1,6 @@
 """GPU-marked: the split union's chunk-parallel pass 2 (`TopKLaunch.chunked_union_min_pages`) compiled at the
-128K Llama-3-8B size it was built for, against the serial pass 2 (exact ids, -1 tail and the reuse flag).
+128K Llama-3-8B size it was built for, against the serial pass 2 (exact ids, -1 tail and the reuse flag); the
+tail tile (`TopKLaunch.tail_tile`) against the widened tile at the captured decode's row lengths.
 
 Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu/test_gpu_topk_chunked.py`.
 """
@@ -34,3 +35,20 @@ def test_chunked_union_equals_serial_at_128k():
             assert (out == 7).all()
     ref = tk.topk_pages_ref(rand, k, group)  # no ties in the random rows: the reference's own choice
     assert torch.equal(tk.topk_pages(rand, k, group, launch=topk_mod.TopKLaunch(chunked_union_min_pages=1)), ref)
+
+
+@pytest.mark.parametrize("P, group, split", [(2053, 1, True), (2053, 4, True), (2053, 4, False), (8197, 1, True),
+                                             (8197, 4, True)])
+def test_tail_tile_equals_the_widened_tile_at_real_sizes(P, group, split):
+    # TopKLaunch(tail_tile): the captured decode's rows (32K / 128K + 128 tokens + a spare page) as a power-of-two
+    # tile and a tail tile, compiled: the ids of the one widened tile, with heavy ties at the k-th score.
+    B, R, k = 1, 32, 129
+    g = torch.Generator(DEV).manual_seed(P + group)
+    for s in (torch.randn(B, R, P, generator=g, device=DEV) * 3 + 20,
+              (torch.randn(B, R, P, generator=g, device=DEV) * 3 + 20).round()):
+        s.masked_fill_(torch.rand(B, 1, P, generator=g, device=DEV) < 0.1, float("-inf"))
+        s[..., -1] = float("inf")
+        base = dict(split_union=split)
+        want = tk.topk_pages(s, k, group, launch=topk_mod.TopKLaunch(**base))
+        got = tk.topk_pages(s, k, group, launch=topk_mod.TopKLaunch(**base, tail_tile=64))
+        assert torch.equal(got, want)
