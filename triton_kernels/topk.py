@@ -385,16 +385,18 @@ def _pick_union(p_rows, p_out, b_key1, i_lo, i_need, stride_sr, stride_sp, strid
     # the group is compacted (ascending by construction) after the ids already written.
     i_out = tl.zeros([], dtype=tl.int32)
     b_seen = tl.zeros([GROUP_PAD], dtype=tl.int32)
-    if SINGLE_TILE:
+    if SINGLE_TILE and TAIL > 0:
         i_out, b_seen = _pick_tile(p_rows, p_out, b_key1, o_n, i_lo, i_need, i_out, b_seen, stride_sr, stride_sp,
                                    stride_ok, P, GROUP, GROUP_PAD, BLOCK_P, MASK_REST)
-        if TAIL > 0:
-            i_out, b_seen = _pick_tile(p_rows, p_out, b_key2, BLOCK_P + tl.arange(0, TAIL), i_lo, i_need, i_out,
-                                       b_seen, stride_sr, stride_sp, stride_ok, P, GROUP, GROUP_PAD, TAIL, MASK_REST)
+        i_out, b_seen = _pick_tile(p_rows, p_out, b_key2, BLOCK_P + tl.arange(0, TAIL), i_lo, i_need, i_out,
+                                   b_seen, stride_sr, stride_sp, stride_ok, P, GROUP, GROUP_PAD, TAIL, MASK_REST)
     else:
         for i_p0 in range(0, P, BLOCK_P):
             o_p = i_p0 + o_n
-            b_key = _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, GROUP, P)
+            if SINGLE_TILE:
+                b_key = b_key1
+            else:
+                b_key = _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, GROUP, P)
             i_out, b_seen = _pick_tile(p_rows, p_out, b_key, o_p, i_lo, i_need, i_out, b_seen, stride_sr, stride_sp,
                                        stride_ok, P, GROUP, GROUP_PAD, BLOCK_P, MASK_REST)
     for i_k0 in range(0, K_OUT, BLOCK_P):
