@@ -60,17 +60,25 @@ PAGE = 16
 L2_BYTES = 60e6
 DEV = "cuda"
 VARIANTS = False
+EXTRA_PAGES = 0  # --extra-pages
 TUNE_STAGES = ()
 
 
-def make_layer(B, H, L, D, dtype, seed):
-    """A full layer cache of L tokens (every page filled, all valid), metadata reduced from the keys."""
+def make_layer(B, H, L, D, dtype, seed, extra_pages=0):
+    """A layer cache of L tokens (every page filled, all valid), metadata reduced from the keys; `extra_pages` empty
+    pages after them (bounds +inf / -inf, slots invalid), as a captured decode allocates room for its new tokens."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     kc = torch.randn(B, H, L, D, device=DEV, dtype=dtype, generator=g)
     vc = torch.randn(B, H, L, D, device=DEV, dtype=dtype, generator=g)
     pages = kc.view(B, H, L // PAGE, PAGE, D)
     kmin, kmax = pages.amin(3), pages.amax(3)
     valid = torch.ones(B, L, dtype=torch.bool, device=DEV)
+    if extra_pages:
+        empty = torch.zeros(B, H, extra_pages * PAGE, D, device=DEV, dtype=dtype)
+        kc, vc = torch.cat([kc, empty], 2), torch.cat([vc, empty], 2)
+        bound = torch.full((B, H, extra_pages, D), float("inf"), device=DEV, dtype=dtype)
+        kmin, kmax = torch.cat([kmin, bound], 2), torch.cat([kmax, -bound], 2)
+        valid = torch.cat([valid, torch.zeros(B, extra_pages * PAGE, dtype=torch.bool, device=DEV)], 1)
     return kc, vc, kmin, kmax, valid
 
 
@@ -86,7 +94,10 @@ class Step:
         self.launch = dict(LAUNCH, **(launch or {}))
         self.kc, self.vc, self.kmin, self.kmax, self.valid = layer
         self.q, self.k, self.mode = q, k, mode
-        self.L = self.kc.shape[2]
+        # Filled tokens L, capacity C: past L the captured decode's layout (scored over C, the current page forced
+        # from the device position, the empty pages -inf, attended over C with their slots invalid).
+        self.C = self.kc.shape[2]
+        self.L = int(self.valid[0].sum().item())
         H_kv, H_q = self.kc.shape[1], q.shape[1]
         self.G = H_q // H_kv
         self.reduce = "none" if mode == "union" else "max"
@@ -110,19 +121,21 @@ class Step:
         lo, hi, kw = self.kmin, self.kmax, {}
         if self.bounds8 is not None:
             lo, hi, kw = *self.bounds8[:2], dict(scale=self.bounds8[2], chan=self.chan)
-        return tk.score_pages(self.q, lo, hi, self.L, PAGE, 0, self.reduce, due=due, launch=self.launch["score"], **kw)
+        if self.C > self.L:
+            kw["pos"] = self.pos
+        return tk.score_pages(self.q, lo, hi, self.C, PAGE, 0, self.reduce, due=due, launch=self.launch["score"], **kw)
 
     def topk(self):
         return tk.topk_pages(self.scores, self.k, self.group, launch=self.launch["topk"])
 
     def attn(self):
-        return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.L, PAGE, self.scale,
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, self.ids, self.valid, self.C, PAGE, self.scale,
                                           launch=self.launch["attn"])
 
     def full(self):
         s = self.score()
         ids = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"])
-        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.C, PAGE, self.scale,
                                           launch=self.launch["attn"])
 
     def skip(self):
@@ -133,7 +146,7 @@ class Step:
         s = self.score(due=self.not_due)
         fresh = tk.topk_pages(s, self.k, self.group, launch=self.launch["topk"], due=self.not_due)
         ids = reused_pages(self.reuse_layer, fresh, self.not_due, self.every)
-        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.L, PAGE, self.scale,
+        return tk.sparse_decode_attention(self.q, self.kc, self.vc, ids, self.valid, self.C, PAGE, self.scale,
                                           launch=self.launch["attn"])
 
     def bytes_read(self):
@@ -173,14 +186,14 @@ def run_config(shape, L, B, budget, dtype, modes, bw, sdpa_cache, variants=(("ke
     # pages' K/V) exceeds L2 three times over, so no timed call finds its inputs in L2.
     touched = 2 * B * H_kv * D * torch.tensor([], dtype=dtype).element_size() * (L // PAGE + min(L, budget))
     n_sets = max(1, min(4, math.ceil(3 * L2_BYTES / touched)))
-    layers = [make_layer(B, H_kv, L, D, dtype, seed) for seed in range(n_sets)]
+    layers = [make_layer(B, H_kv, L, D, dtype, seed, EXTRA_PAGES) for seed in range(n_sets)]
     qs = [torch.randn(B, H_q, D, device=DEV, dtype=dtype) for _ in range(n_sets)]
     key = (shape, L, B, dtype)
     if key not in sdpa_cache:
         import torch.nn.functional as F
 
         def sdpa(i):
-            kc, vc = layers[i][0], layers[i][1]
+            kc, vc = layers[i][0][:, :, :L], layers[i][1][:, :, :L]
             return lambda: F.scaled_dot_product_attention(qs[i][:, :, None], kc, vc, enable_gqa=H_q != H_kv)
 
         sdpa_cache[key] = (time_calls(rotating([sdpa(i) for i in range(n_sets)])),
@@ -455,6 +468,9 @@ def main(argv=None):
     ap.add_argument("--dry", action="store_true",
                     help="no GPU: run the 8-bit and reuse steps at tiny sizes against their references and exit "
                          "(needs TRITON_INTERPRET=1 without CUDA)")
+    ap.add_argument("--extra-pages", type=int, default=0, metavar="N",
+                    help="N empty pages after the L tokens, scored and attended as the captured decode does over its "
+                         "allocation (the captured 32K decode of benchmarks/kernels/bench_topk.py: 2053 pages, N = 5)")
     ap.add_argument("--name", default="bench_kernels", help="output file stem")
     ap.add_argument("--out-dir", default=None, help="output folder (default results/bench_kernels/)")
     args = ap.parse_args(argv)
@@ -469,8 +485,9 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
     t0 = time.time()
-    global VARIANTS, TUNE_STAGES
-    VARIANTS, TUNE_STAGES = args.variants, tuple(args.tune_stages)
+    global VARIANTS, TUNE_STAGES, EXTRA_PAGES
+    VARIANTS, TUNE_STAGES, EXTRA_PAGES = args.variants, tuple(args.tune_stages), args.extra_pages
+    meta["extra_pages"] = EXTRA_PAGES
     meta["timer"] = "clean (quest_hf.bench.time_calls)"
     if args.check:
         check()
