@@ -96,10 +96,20 @@ def test_int8_bound_never_under_estimates_the_best_qk_of_a_page(kind, seed, S, D
     lo, hi = lo8.float() * scale[..., None], hi8.float() * scale[..., None]
     assert (lo <= kmin.float()).all() and (hi >= kmax.float()).all()
     q = (torch.randn(B, H * G, D, generator=torch.Generator().manual_seed(seed + 1)) * qscale).to(dtype)
+    assert_scores_bound_the_best_qk(q, keys, valid, kmin, kmax, lo, hi)
+
+
+def assert_scores_bound_the_best_qk(q, keys, valid, kmin, kmax, lo, hi, chan=None):
+    """The 8-bit score (codes quantized from kmin/kmax, on channel scales `chan` where given) of every page of
+    `keys [B, H, P, S, D]` is at least its key-dtype score, term by term, and at least the best q.k over the page's
+    valid slots but for the fp32 summation of the D terms (`lo`/`hi`: the decoded bounds, for that slack)."""
+    B, H, P, S, D = keys.shape
+    G = q.shape[1] // H
     L = P * S + 1  # one more slot: the spare page P holds nothing, so every written page is scored
     pad_kmin = torch.cat([kmin, torch.full_like(kmin[:, :, :1], float("inf"))], 2)
     pad_kmax = torch.cat([kmax, torch.full_like(kmax[:, :, :1], float("-inf"))], 2)
-    s8 = tk.score_pages_ref(q, *quantized(pad_kmin, pad_kmax)[:2], L, S, scale=quantized(pad_kmin, pad_kmax)[2])
+    c8 = quantized(pad_kmin, pad_kmax, chan)
+    s8 = tk.score_pages_ref(q, c8[0], c8[1], L, S, scale=c8[2], chan=chan)
     s = tk.score_pages_ref(q, pad_kmin, pad_kmax, L, S)
     # Term by term at least the key-dtype bound (rounding is monotonic), which is at least the best q.k.
     assert (s8[..., :P] >= s[..., :P]).all()

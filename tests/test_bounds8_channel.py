@@ -11,7 +11,7 @@ from quest_hf import QuestCache, QuestConfig, patch_model
 from triton_kernels.bounds8 import channel_scales, channel_scales_of_bounds, empty_bounds8
 
 from .conftest import left_padded_batch, tiny_model
-from .test_bounds8 import KEY_KINDS, adversarial_keys, page_bounds, quantized
+from .test_bounds8 import KEY_KINDS, adversarial_keys, assert_scores_bound_the_best_qk, page_bounds, quantized
 from .testing import F16, F32
 
 
@@ -46,18 +46,7 @@ def test_channel_bound_never_under_estimates_the_best_qk_of_a_page(kind, seed, S
     assert (lo <= kmin.float()).all() and (hi >= kmax.float()).all()
     assert ((ks == torch.exp2(torch.log2(ks).round())) & (ks >= 1)).all()  # a power of two, e >= 0
     q = (torch.randn(B, H * G, D, generator=torch.Generator().manual_seed(seed + 1)) * qscale).to(dtype)
-    L = P * S + 1
-    pad_min = torch.cat([kmin, torch.full_like(kmin[:, :, :1], float("inf"))], 2)
-    pad_max = torch.cat([kmax, torch.full_like(kmax[:, :, :1], float("-inf"))], 2)
-    c8 = quantized(pad_min, pad_max, chan)
-    s8 = tk.score_pages_ref(q, c8[0], c8[1], L, S, scale=c8[2], chan=chan)
-    s = tk.score_pages_ref(q, pad_min, pad_max, L, S)
-    assert (s8[..., :P] >= s[..., :P]).all()
-    best = torch.einsum("bhgd,bhpsd->bhgps", q.double().reshape(B, H, G, D), keys.double())
-    best = best.masked_fill(~valid[:, None, None], float("-inf")).amax(-1).reshape(B, H * G, P)
-    slack = 1e-5 * torch.einsum("bhgd,bhpd->bhgp", q.double().abs().reshape(B, H, G, D),
-                                torch.maximum(lo.abs(), hi.abs()).double()).reshape(B, H * G, P)
-    assert (s8[..., :P].double() >= best - slack).all()
+    assert_scores_bound_the_best_qk(q, keys, valid, kmin, kmax, lo, hi, chan)
 
 
 def test_pages_past_the_prefill_range_take_the_smallest_exponent_that_fits():

@@ -28,11 +28,15 @@ def _bounds(B, H, D, L, C, S=16, dtype=torch.float16, seed=0):
     return kmin, kmax
 
 
-@pytest.mark.parametrize("B, Hq, H, L", [
+# Real layer sizes: Llama-3-8B at 32K, Llama-2-7B at 128K, Llama-2-7B at batch 8 (a few tokens past whole pages).
+REAL_SIZES = [
     pytest.param(1, 32, 8, 32768 + 5, id="llama3-8b-32K"),
     pytest.param(1, 32, 32, 131072 + 3, id="llama2-7b-128K"),
     pytest.param(8, 32, 32, 8192 + 3, id="llama2-7b-B8-8K"),
-])
+]
+
+
+@pytest.mark.parametrize("B, Hq, H, L", REAL_SIZES)
 def test_compiled_int8_and_flagged_kernels_match_their_twins_at_real_sizes(B, Hq, H, L):
     D, S = 128, 16
     C = -(-(L + 64) // S) * S + S
@@ -69,11 +73,7 @@ def test_compiled_int8_and_flagged_kernels_match_their_twins_at_real_sizes(B, Hq
             assert (out == 7.0).all()
 
 
-@pytest.mark.parametrize("B, Hq, H, L", [
-    pytest.param(1, 32, 8, 32768 + 5, id="llama3-8b-32K"),
-    pytest.param(1, 32, 32, 131072 + 3, id="llama2-7b-128K"),
-    pytest.param(8, 32, 32, 8192 + 3, id="llama2-7b-B8-8K"),
-])
+@pytest.mark.parametrize("B, Hq, H, L", REAL_SIZES)
 def test_compiled_channel_code_kernels_match_their_twins_at_real_sizes(B, Hq, H, L):
     # QuestConfig(bounds="int8_channel"): scales from the first 4K keys, later keys up to 8x larger (exponents).
     D, S = 128, 16
