@@ -128,6 +128,17 @@ def _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, G, P):
 
 
 @triton.jit
+def _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD: tl.constexpr, P, BLOCK_P: tl.constexpr,
+               TAIL: tl.constexpr):
+    # The [GROUP_PAD, TAIL] keys of the pages from BLOCK_P on (TopKLaunch.tail_tile); TAIL 0: an unused placeholder.
+    if TAIL > 0:
+        b_key2 = _load_keys(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL), stride_sr, stride_sp, GROUP, P)
+    else:
+        b_key2 = tl.zeros([GROUP_PAD, 16], dtype=tl.int32)
+    return b_key2
+
+
+@triton.jit
 def _counts_ge(b_key, t1, t2, t3):
     # Three counts (keys >= t_j per row) packed 16 bits apart in one int64: one reduction, not three.
     one = (b_key >= t1[:, None]).to(tl.int64)
@@ -292,11 +303,7 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
     HAS_TAIL: tl.constexpr = TAIL > 0
-    TAIL_W: tl.constexpr = TAIL if TAIL > 0 else 16
-    if HAS_TAIL:
-        b_key2 = _load_keys(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL_W), stride_sr, stride_sp, GROUP, P)
-    else:
-        b_key2 = tl.zeros([GROUP_PAD, TAIL_W], dtype=tl.int32)  # unused
+    b_key2 = _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD, P, BLOCK_P, TAIL)
 
     # Phase 1, all rows of the group at once: each row's KK-th largest key T.
     # (a) Only the bits where the row's finite keys differ need searching: start from the common prefix of
@@ -464,11 +471,7 @@ def _topk_union_kernel(
             b_key1 = _load_keys(p_rows, o_r, tl.arange(0, BLOCK_P), stride_sr, stride_sp, GROUP, P)
         else:
             b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)
-        TAIL_W: tl.constexpr = TAIL if TAIL > 0 else 16
-        if TAIL > 0:
-            b_key2 = _load_keys(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL_W), stride_sr, stride_sp, GROUP, P)
-        else:
-            b_key2 = tl.zeros([GROUP_PAD, TAIL_W], dtype=tl.int32)  # unused
+        b_key2 = _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD, P, BLOCK_P, TAIL)
         _pick_union(p_rows, out_ptr + i_b * stride_ob + i_g * stride_or, b_key1, i_lo, i_need, stride_sr,
                     stride_sp, stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False, b_key2, TAIL)
 
