@@ -102,6 +102,12 @@ def _route_rotary(bindings: Bindings, module_name: str) -> None:
     module = importlib.import_module(module_name)
     original = module.apply_rotary_pos_emb
     key = f"{module_name}.apply_rotary_pos_emb"
+    # With the `kernels` package, transformers (5.25 on) makes the global a hub wrapper module, and unpickling the
+    # wrapper copies each attention holds rebuilds them from the global's type: the global must stay that module.
+    # Its instance `forward` is replaced instead (the module's call runs it); `original` is its class's forward.
+    hub = isinstance(original, torch.nn.Module)
+    if hub:
+        original = type(original).forward.__get__(original)
 
     def apply_rotary_pos_emb(q, k, *args, **kwargs):
         if torch.compiler.is_compiling():  # inside a compiled region (quest_hf.compiled): it covers this call
@@ -114,7 +120,19 @@ def _route_rotary(bindings: Bindings, module_name: str) -> None:
         return original(q, k, *args, **kwargs)
 
     apply_rotary_pos_emb.quest_original = original
-    bindings.set(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    if hub:
+        bindings.set(original.__self__, "forward", apply_rotary_pos_emb)
+    else:
+        bindings.set(module, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+
+
+def rotary_route(module):
+    """The `apply_rotary_pos_emb` replacement that the rotary routing installed in a modeling module (as its global,
+    or as its hub wrapper's `forward`), or None where none is installed."""
+    fn = module.apply_rotary_pos_emb
+    if isinstance(fn, torch.nn.Module):
+        fn = vars(fn).get("forward")
+    return fn if hasattr(fn, "quest_original") else None
 
 
 def _modeling_module(model) -> str | None:

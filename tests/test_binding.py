@@ -12,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from quest_hf import QuestCache, QuestConfig, patch_model, patched, unpatch_model
 from quest_hf.binding import MISSING, Bindings, holders
+from quest_hf.fuse import rotary_route
 from quest_hf.patch import cache_arg_name
 
 from .conftest import left_padded_batch, tiny_model
@@ -103,8 +104,7 @@ def test_process_wide_replacements_go_with_the_last_unpatch():
     assert vars(DeferredStopCheck)["is_supported"] is original and holders("patch") == 0
     assert "quest" not in AttentionInterface._global_mapping and "quest" not in AttentionMaskInterface._global_mapping
     modeling = type(a.model.layers[0].self_attn).__module__
-    assert holders("rotary", modeling) == 0 and not hasattr(__import__(modeling, fromlist=["x"]).apply_rotary_pos_emb,
-                                                             "quest_original")
+    assert holders("rotary", modeling) == 0 and rotary_route(__import__(modeling, fromlist=["x"])) is None
     unpatch_model(a)  # a second unpatch is a no-op
 
 
