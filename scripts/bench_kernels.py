@@ -46,6 +46,7 @@ from quest_hf.bench import (
     kernel_durations,
     results_dir,
     rotating,
+    set_topk_launch,
     time_calls,
     time_graph,
     time_graph_chain,
@@ -458,7 +459,11 @@ def main(argv=None):
     ap.add_argument("--tune-stages", nargs="*", default=[], help="tune only these stages (default: all)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the benchmark sweep")
     ap.add_argument("--full", action="store_true", help="bf16 at every budget too (default: bf16 at 2048 only)")
-    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768, 65536, 131072])
+    ap.add_argument("--lengths", type=int, nargs="*", default=None,
+                    help="context lengths (default 4096 16384 32768 65536 131072; --quick: 4096 32768 131072)")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--topk-launch", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="TopKLaunch fields for the sweep's Top-K (e.g. tail_tile=64; default: the library's)")
     ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
     ap.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8", "int8_channel"],
                     help="page bounds of each row (QuestConfig.bounds; int8: 8-bit codes + a scale a page; "
@@ -488,6 +493,9 @@ def main(argv=None):
     global VARIANTS, TUNE_STAGES, EXTRA_PAGES
     VARIANTS, TUNE_STAGES, EXTRA_PAGES = args.variants, tuple(args.tune_stages), args.extra_pages
     meta["extra_pages"] = EXTRA_PAGES
+    if args.topk_launch:
+        LAUNCH["topk"] = set_topk_launch(args.topk_launch)
+        meta["topk_launch"] = " ".join(args.topk_launch)
     meta["timer"] = "clean (quest_hf.bench.time_calls)"
     if args.check:
         check()
@@ -502,10 +510,11 @@ def main(argv=None):
     if not args.no_sweep:
         print(HEADER, flush=True)
         if args.quick:
-            grid = [(s, L, B, 2048, torch.float16) for s in SHAPES for B in (1, 8) for L in (4096, 32768, 131072)]
+            grid = [(s, L, B, 2048, torch.float16) for s in SHAPES for B in args.batches
+                    for L in args.lengths or (4096, 32768, 131072)]
         else:
-            grid = [(s, L, B, bud, dt) for dt in (torch.float16, torch.bfloat16) for s in SHAPES for B in (1, 8)
-                    for L in args.lengths for bud in (512, 2048, 4096)
+            grid = [(s, L, B, bud, dt) for dt in (torch.float16, torch.bfloat16) for s in SHAPES for B in args.batches
+                    for L in args.lengths or (4096, 16384, 32768, 65536, 131072) for bud in (512, 2048, 4096)
                     if args.full or dt == torch.float16 or bud == 2048]
         for shape, L, B, bud, dt in grid:
             rows += run_config(shape, L, B, bud, dt, ("union", "max"), bw, sdpa_cache, variants)

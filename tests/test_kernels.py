@@ -352,6 +352,25 @@ def test_topk_tail_config_picks_rows_just_past_a_power_of_two():
     assert topk_mod.tail_config(2053, 1) == (0, 0)  # off by default
 
 
+def test_set_topk_launch_replaces_the_default_every_call_reads(monkeypatch):
+    # The benchmarks' --topk-launch: topk_pages, launch_config and tail_config without launch= read the module's
+    # TOPK_LAUNCH at each call, so replacing it changes what a whole decode launches; bad settings are refused.
+    from quest_hf.bench import set_topk_launch
+    from triton_kernels import topk as topk_mod
+
+    monkeypatch.setattr(topk_mod, "TOPK_LAUNCH", topk_mod.TOPK_LAUNCH)
+    before = topk_mod.tail_config(2053, 1)  # the library default (tail tile off)
+    launch = set_topk_launch(["tail_tile=48", "chunked_union_min_pages=None", "split_union=False"])
+    assert topk_mod.TOPK_LAUNCH is launch and launch.chunked_union_min_pages is None and not launch.split_union
+    assert topk_mod.tail_config(2053, 1) == (2048, 16) and before == (0, 0)
+    assert topk_mod.launch_config(2053, 1) == topk_mod.launch_config(2053, 1, launch)
+    s = random_scores(1, 4, 2053, seed=3)
+    assert torch.equal(tk.topk_pages(s, 129, 4), tk.topk_pages(s, 129, 4, launch=launch))
+    for bad in (["tail_tyle=64"], ["tail_tile"]):
+        with pytest.raises(SystemExit, match="TopKLaunch fields"):
+            set_topk_launch(bad)
+
+
 @pytest.mark.parametrize("tile", [None, 256], ids=["one-tile", "tiled"])
 @pytest.mark.parametrize("B,R,P,k,group", [(1, 4, 700, 40, 4), (2, 6, 300, 20, 3), (2, 8, 17, 100, 8), (1, 2, 64, 5, 2)])
 def test_topk_union_in_two_launches_equals_one(B, R, P, k, group, tile, monkeypatch):

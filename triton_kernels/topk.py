@@ -560,10 +560,11 @@ def _union_write_kernel(
         tl.store(p_out + o_p * stride_ok, tl.full([CHUNK], -1, tl.int32), mask=(o_p >= i_total) & (o_p < K_OUT))
 
 
-def tail_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH) -> tuple[int, int]:
+def tail_config(P: int, group: int, launch: TopKLaunch | None = None) -> tuple[int, int]:
     """(BLOCK_P, TAIL) for a row held in registers as a power-of-two tile and a tail tile (`TopKLaunch.tail_tile`),
     or (0, 0) where the row is one tile: a row of P pages at most `tail_tile` past a power of two B >= 256 is held
-    as B keys and next_pow2(P - B) (>= 16) keys, instead of 2B."""
+    as B keys and next_pow2(P - B) (>= 16) keys, instead of 2B. `launch` None: the module's `TOPK_LAUNCH`."""
+    launch = launch or TOPK_LAUNCH
     if not launch.tail_tile or P < 256:
         return 0, 0
     block = 1 << (P.bit_length() - 1)
@@ -573,9 +574,10 @@ def tail_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH) -> tuple[i
     return block, tail
 
 
-def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
+def launch_config(P: int, group: int, launch: TopKLaunch | None = None):
     """(BLOCK_P, num_warps, single_tile) for rows of P pages in groups of `group` (with `tail_config`'s tail:
     BLOCK_P is the power-of-two part, the warps are its)."""
+    launch = launch or TOPK_LAUNCH
     g_pad = next_pow2(group)
     tail_block, _ = tail_config(P, group, launch)
     if tail_block:
@@ -592,7 +594,7 @@ def launch_config(P: int, group: int, launch: TopKLaunch = TOPK_LAUNCH):
     return block_p, warps, single
 
 
-def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launch: TopKLaunch = TOPK_LAUNCH,
+def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launch: TopKLaunch | None = None,
                due=None, out=None):
     """Triton twin of `topk_pages_ref`.
 
@@ -603,7 +605,8 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
     bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
     Unions (group > 1, `launch.split_union`) take two launches instead: a program per row finds its threshold,
     then a program per group writes the union (same ids; from `launch.chunked_union_min_pages` pages a row,
-    programs per (group, chunk of pages) in three launches). `launch`: a `TopKLaunch` (benchmarks and tests vary it).
+    programs per (group, chunk of pages) in three launches). `launch`: a `TopKLaunch` (benchmarks and tests vary it);
+    None: the module's `TOPK_LAUNCH`, read at each call (the benchmarks' `--topk-launch` replaces it).
     `due` (HAS_DUE: selection reuse's device flag, the one `score_pages(due=)` read): every program loads it first
     and, where it is 0, returns before loading its row: nothing is read or written (`out`, the scores under
     `mask_rest` and the split union's thresholds keep their values; a fresh result stays unwritten), so a reusing
@@ -611,6 +614,7 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
     """
     require_triton()
     B, R, P, K_out = _check(scores, k, group, due, out)
+    launch = launch or TOPK_LAUNCH
     if out is None:
         out = torch.empty(B, R // group, K_out, dtype=torch.int32, device=scores.device)
     if group > 1 and launch.split_union and not mask_rest and launch.num_warps is None and launch.block_p is None:

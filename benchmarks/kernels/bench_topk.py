@@ -3,9 +3,9 @@
 Rows are the score matrices a decode step hands to `topk_pages` (fp32 `[B, R, P]`, random bounds, the last
 page forced to +inf): MHA (R = 32 KV heads, group 1), GQA union (R = 32 query heads, groups of 4) and GQA
 shared score (R = 8), at P = 2048 (32K tokens), 2053 (a static cache of 32K + 128 tokens + a spare page:
-what the captured decode sees) and 8192 (128K), batch 1 and 8. Each kernel is timed in CUDA-graph replays
-(quest_hf.bench's timer, median, 20 calls back to back in one graph rotating over 4 input sets) and checked
-against `topk_pages_ref`.
+what the captured decode sees), 8192 (128K) and 8197 (its captured decode's), batch 1 and 8. Each kernel is
+timed in CUDA-graph replays (quest_hf.bench's timer, median, 20 calls back to back in one graph rotating over 4
+input sets) and checked against `topk_pages_ref`.
 
     python benchmarks/kernels/bench_topk.py [--other path/to/old_topk.py] [--configs KEYS_PER_THREAD=32,...]
 
@@ -27,8 +27,9 @@ from triton_kernels import topk as topk_mod
 
 CASES = [  # name, B, R, P, k, group
     ("mha-32K", 1, 32, 2048, 128, 1), ("mha-static-32K", 1, 32, 2053, 129, 1), ("mha-128K", 1, 32, 8192, 128, 1),
+    ("mha-static-128K", 1, 32, 8197, 129, 1),
     ("union4-32K", 1, 32, 2048, 128, 4), ("union4-static-32K", 1, 32, 2053, 129, 4),
-    ("union4-128K", 1, 32, 8192, 128, 4),
+    ("union4-128K", 1, 32, 8192, 128, 4), ("union4-static-128K", 1, 32, 8197, 129, 4),
     ("shared-32K", 1, 8, 2048, 128, 1), ("mha-32K-B8", 8, 32, 2048, 128, 1), ("union4-32K-B8", 8, 32, 2048, 128, 4),
     ("mha-4K", 1, 32, 256, 128, 1),
 ]
