@@ -328,7 +328,7 @@ def test_topk_tail_tile_gives_the_one_tiles_ids(kind, B, R, P, k, group, how):
         s[..., block - 40: P - 1] = 0.5
     base = dict(split_union=how != "one", rank_bits=0 if how == "rank0" else 16,
                 chunked_union_min_pages=None if how == "serial" else 2048)
-    plain, tail = topk_mod.TopKLaunch(**base), topk_mod.TopKLaunch(**base, tail_tile=64)
+    plain, tail = topk_mod.TopKLaunch(**base, tail_tile=0), topk_mod.TopKLaunch(**base, tail_tile=64)
     assert topk_mod.tail_config(P, group, tail)[0] and not topk_mod.tail_config(P, group, plain)[0]
     mask = how == "mask"
     s_plain, s_tail = s.clone(), s.clone()
@@ -349,7 +349,8 @@ def test_topk_tail_config_picks_rows_just_past_a_power_of_two():
     for P in (2048, 2200, 255, 100):  # a power of two, too far past one, too short
         assert topk_mod.tail_config(P, 1, on) == (0, 0)
     assert topk_mod.tail_config(16389, 4, on) == (0, 0)  # over max_tile: the tiled path
-    assert topk_mod.tail_config(2053, 1) == (0, 0)  # off by default
+    assert topk_mod.tail_config(2053, 1) == (2048, 16)  # on by default
+    assert topk_mod.tail_config(2053, 1, topk_mod.TopKLaunch(tail_tile=0)) == (0, 0)
 
 
 def test_set_topk_launch_replaces_the_default_every_call_reads(monkeypatch):
@@ -359,10 +360,10 @@ def test_set_topk_launch_replaces_the_default_every_call_reads(monkeypatch):
     from triton_kernels import topk as topk_mod
 
     monkeypatch.setattr(topk_mod, "TOPK_LAUNCH", topk_mod.TOPK_LAUNCH)
-    before = topk_mod.tail_config(2053, 1)  # the library default (tail tile off)
-    launch = set_topk_launch(["tail_tile=48", "chunked_union_min_pages=None", "split_union=False"])
+    before = topk_mod.tail_config(2053, 1)  # the library default (tail tile on)
+    launch = set_topk_launch(["tail_tile=0", "chunked_union_min_pages=None", "split_union=False"])
     assert topk_mod.TOPK_LAUNCH is launch and launch.chunked_union_min_pages is None and not launch.split_union
-    assert topk_mod.tail_config(2053, 1) == (2048, 16) and before == (0, 0)
+    assert topk_mod.tail_config(2053, 1) == (0, 0) and before == (2048, 16)
     assert topk_mod.launch_config(2053, 1) == topk_mod.launch_config(2053, 1, launch)
     s = random_scores(1, 4, 2053, seed=3)
     assert torch.equal(tk.topk_pages(s, 129, 4), tk.topk_pages(s, 129, 4, launch=launch))

@@ -66,8 +66,10 @@ class TopKLaunch:
     block_p / num_warps: force the one-launch kernel's tile width / warps (benchmarks; None: derived).
     tail_tile: rows at most this many pages past a power of two B >= 256 (the captured 32K decode's 2053, 128K's
         8197) are held as a B-key tile and a small tail tile instead of one 2B-wide tile (`tail_config`); every
-        reduction and the compaction cover both; 0 (default): off. Same ids as one tile (tests/test_kernels.py);
-        its speed is not yet measured on a GPU.
+        reduction and the compaction cover both; 0: off. Same ids as one tile (tests/test_kernels.py,
+        tests/gpu/test_gpu_topk_chunked.py). On an H200 (benchmarks/kernels/round14) the Top-K alone at 8197 pages
+        took 38.4 -> 19.9 us (32 rows) and 26.2 -> 20.3 (unions of 4), at 2053 10.3 -> 8.8; a 7B layer step over
+        the captured 128K allocation 108.5 -> 71.9 us; hence on (64).
     rank_bits: rows held in one tile are first ranked by a `rank_bits`-bit quantisation of their finite scores over
         the row's own range (monotonic, so the pages it ranks above the k-th bucket are exactly the best ones): a
         radix search over 16 bits instead of up to 32; only a row whose k-th pick falls inside a bucket it does
@@ -100,7 +102,7 @@ class TopKLaunch:
     rank_bits: int = 16
     chunked_union_min_pages: int | None = 2048
     union_chunk: int = 512
-    tail_tile: int = 0
+    tail_tile: int = 64
 
 
 TOPK_LAUNCH = TopKLaunch()
