@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["time_calls", "time_graph", "capture", "rotating", "copy_bandwidth", "wall_time_us", "Clock",
            "LAYER_SHAPES", "MODEL_SHAPES", "random_llama", "results_dir", "environment", "model_tag", "DTYPES",
-           "ints", "add_model_args", "write_report", "set_topk_launch"]
+           "ints", "add_model_args", "write_report", "set_topk_launch", "topk_launch_fields"]
 
 SPIN_CYCLES = 40000  # torch.cuda._sleep cycles before each timed call: ~20 us on an H200
 
@@ -277,21 +277,34 @@ def _env_prefix() -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def topk_launch_fields(settings: Sequence[str]) -> dict:
+    """`TopKLaunch` fields from `NAME=VALUE` strings (names in any case; values ints, `None`, `True` or `False`),
+    e.g. `["tail_tile=64"]`; an unknown name or a missing value exits with what to write instead."""
+    import dataclasses
+
+    from triton_kernels import topk as topk_mod
+
+    names = {f.name for f in dataclasses.fields(topk_mod.TopKLaunch)}
+    fields = {}
+    for kv in settings:
+        key, sep, value = kv.partition("=")
+        key = key.lower()
+        if not sep or key not in names:
+            raise SystemExit(f"Top-K launch settings are TopKLaunch fields as NAME=VALUE ({', '.join(sorted(names))}), "
+                             f"got {kv!r}")
+        fields[key] = None if value == "None" else (value == "True" if value in ("True", "False") else int(value))
+    return fields
+
+
 def set_topk_launch(settings: Sequence[str]):
     """Replace the Top-K kernels' module default (`triton_kernels.topk.TOPK_LAUNCH`, which every `topk_pages`
-    call without `launch=` reads) by one with these `TopKLaunch` fields, e.g. `["tail_tile=64"]`: a benchmark's
+    call without `launch=` reads) by one with these `TopKLaunch` fields (`topk_launch_fields`): a benchmark's
     `--topk-launch`, to time a launch setting inside a whole decode. Returns the launch now in force."""
     import dataclasses
 
     from triton_kernels import topk as topk_mod
 
-    fields = {}
-    for kv in settings:
-        key, sep, value = kv.partition("=")
-        if not sep or key not in {f.name for f in dataclasses.fields(topk_mod.TopKLaunch)}:
-            raise SystemExit(f"--topk-launch takes TopKLaunch fields as NAME=VALUE, got {kv!r}")
-        fields[key] = None if value == "None" else (value == "True" if value in ("True", "False") else int(value))
-    topk_mod.TOPK_LAUNCH = dataclasses.replace(topk_mod.TOPK_LAUNCH, **fields)
+    topk_mod.TOPK_LAUNCH = dataclasses.replace(topk_mod.TOPK_LAUNCH, **topk_launch_fields(settings))
     return topk_mod.TOPK_LAUNCH
 
 

@@ -356,7 +356,7 @@ def test_topk_tail_config_picks_rows_just_past_a_power_of_two():
 def test_set_topk_launch_replaces_the_default_every_call_reads(monkeypatch):
     # The benchmarks' --topk-launch: topk_pages, launch_config and tail_config without launch= read the module's
     # TOPK_LAUNCH at each call, so replacing it changes what a whole decode launches; bad settings are refused.
-    from quest_hf.bench import set_topk_launch
+    from quest_hf.bench import set_topk_launch, topk_launch_fields
     from triton_kernels import topk as topk_mod
 
     monkeypatch.setattr(topk_mod, "TOPK_LAUNCH", topk_mod.TOPK_LAUNCH)
@@ -368,8 +368,9 @@ def test_set_topk_launch_replaces_the_default_every_call_reads(monkeypatch):
     s = random_scores(1, 4, 2053, seed=3)
     assert torch.equal(tk.topk_pages(s, 129, 4), tk.topk_pages(s, 129, 4, launch=launch))
     for bad in (["tail_tyle=64"], ["tail_tile"]):
-        with pytest.raises(SystemExit, match="TopKLaunch fields"):
+        with pytest.raises(SystemExit, match="TopKLaunch fields as NAME=VALUE"):
             set_topk_launch(bad)
+    assert topk_launch_fields(["KEYS_PER_THREAD=32", "block_p=None"]) == dict(keys_per_thread=32, block_p=None)
 
 
 @pytest.mark.parametrize("tile", [None, 256], ids=["one-tile", "tiled"])

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 import triton_kernels as tk
-from quest_hf.bench import results_dir, time_graph_chain
+from quest_hf.bench import results_dir, time_graph_chain, topk_launch_fields
 from triton_kernels import topk as topk_mod
 
 CASES = [  # name, B, R, P, k, group
@@ -66,7 +66,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     impls = {"repo": tk.topk_pages}
     for cfg in args.configs:  # TopKLaunch fields, e.g. keys_per_thread=32,max_tile=32768
-        launch = topk_mod.TopKLaunch(**{kv.split("=")[0].lower(): int(kv.split("=")[1]) for kv in cfg.split(",")})
+        launch = topk_mod.TopKLaunch(**topk_launch_fields(cfg.split(",")))
         impls[cfg] = partial(tk.topk_pages, launch=launch)
     if args.other:
         spec = importlib.util.spec_from_file_location("other_topk", args.other)
