@@ -338,6 +338,64 @@ def test_topk_tail_tile_gives_the_one_tiles_ids(kind, B, R, P, k, group, how):
     assert torch.equal(s_tail, s_plain)  # mask_rest: the same scores set to -inf (else both untouched)
 
 
+@pytest.mark.parametrize("kind", ["plain", "ties", "negative", "denormal", "huge-spread", "inf-beyond-k", "all-equal",
+                                  "close", "ties-in-tail"])
+@pytest.mark.parametrize("B,R,P,k,group,how,rank_bits", [
+    (2, 3, 300, 20, 1, "one", 16), (2, 3, 300, 20, 1, "one", 2), (1, 2, 200, 40, 1, "one", 16),
+    (2, 2, 300, 40, 1, "mask", 16), (2, 2, 257, 40, 1, "mask", 2), (1, 4, 300, 33, 4, "serial", 16),
+    (1, 4, 257, 33, 4, "serial", 2), (1, 4, 2053, 129, 4, "split", 16), (1, 2, 2053, 129, 1, "one", 16),
+])
+def test_topk_lean_path_gives_the_same_ids(kind, B, R, P, k, group, how, rank_bits):
+    # TopKLaunch(lean): one row a program (MHA rows, shared scores, the split union's thresholds) with one reduction
+    # a whole-row step and no threshold key or tie ranks for a row whose k-th pick is alone in its rank bucket: the
+    # same ids (ties to the lowest ids, across the tile and its tail), thresholds and -inf masking as the path it
+    # replaces. rank_bits=2 puts the k-th pick inside a shared bucket nearly always (the exact key and tie cutoff).
+    from triton_kernels import topk as topk_mod
+
+    if kind == "plain":
+        s = random_scores(B, R, P, seed=P + k)
+    else:
+        s = _adversarial_rows("ties" if kind == "ties-in-tail" else kind, B, R, P, k, seed=P + k + rank_bits)
+    if kind == "ties-in-tail" and P > 256:  # the k-th score shared by pages on both sides of the tile's edge
+        block = 1 << (P.bit_length() - 1)
+        s[..., block - 40: P - 1] = 0.5
+    base = dict(split_union=how != "one", rank_bits=rank_bits, chunked_union_min_pages=None if how == "serial" else 2048)
+    lean, old = topk_mod.TopKLaunch(**base), topk_mod.TopKLaunch(**base, lean=0)
+    assert topk_mod.lean_config(P, 1, lean) and not topk_mod.lean_config(P, 1, old)
+    mask = how == "mask"
+    s_old, s_lean = s.clone(), s.clone()
+    want = tk.topk_pages(s_old, k, group, mask_rest=mask, launch=old)
+    out = torch.full_like(want, 12345)
+    got = tk.topk_pages(s_lean, k, group, mask_rest=mask, launch=lean, out=out)
+    assert torch.equal(got, want)
+    assert torch.equal(s_lean, s_old)  # mask_rest: the same scores set to -inf (else both untouched)
+    if group > 1:  # the thresholds pass: the same threshold keys; ties taken: the lean `need` covers every tie it
+        thr_old, need_old, cut_old = topk_mod._thresholds(s, k, old)  # takes, and the cutoff says which
+        thr, need, cut = topk_mod._thresholds(s, k, lean)
+        assert cut_old is None and torch.equal(thr, thr_old)
+        rows = s.reshape(B * R, P)
+        ties = torch.where(torch.isneginf(rows), 0, (topk_mod_key(rows) == thr[:, None]).int()).sum(1)
+        assert ((need == need_old) | ((cut == 2**31 - 1) & (need >= ties))).all()
+
+
+def topk_mod_key(x):
+    """The int32 order key of fp32 scores (triton_kernels.topk's `_order_key`), on the host."""
+    bits = x.contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def test_topk_lean_config_only_for_rows_a_program():
+    from triton_kernels import topk as topk_mod
+
+    on = topk_mod.TopKLaunch()
+    assert topk_mod.lean_config(2053, 1, on) and topk_mod.lean_config(2048, 1, on)
+    assert not topk_mod.lean_config(2048, 4, on)  # a union of rows in one program keeps the grouped path
+    assert not topk_mod.lean_config(2048, 1, topk_mod.TopKLaunch(rank_bits=0))
+    assert not topk_mod.lean_config(3000, 1, topk_mod.TopKLaunch(max_tile=256))  # tiled rows
+    assert not topk_mod.lean_config(8197, 1, on) and topk_mod.lean_config(8197, 1, topk_mod.TopKLaunch(lean=8192))
+    assert not topk_mod.lean_config(2048, 1, topk_mod.TopKLaunch(lean=0))
+
+
 def test_topk_tail_config_picks_rows_just_past_a_power_of_two():
     from triton_kernels import topk as topk_mod
 

@@ -1,5 +1,7 @@
-"""The split union's chunk-parallel pass 2 (`TopKLaunch.chunked_union_min_pages`) against the serial pass 2 and
-`topk_pages_ref` (CPU: TRITON_INTERPRET=1, set by conftest; chunks of 16-32 pages so that several run)."""
+"""The split union's chunk-parallel pass 2, in three launches (`TopKLaunch.chunked_union_min_pages`) and in one
+(`TopKLaunch.onepass_union`: tie cutoffs from the thresholds pass, chunks by ticket, counts published to later
+chunks), against the serial pass 2 and `topk_pages_ref` (CPU: TRITON_INTERPRET=1, set by conftest; chunks of 16-32
+pages so that several run)."""
 import dataclasses
 import os
 
@@ -18,8 +20,8 @@ from .testing import DEVICE as DEV  # noqa: E402
 POISON = 0x7FC00000  # a NaN's bit pattern: a slot the kernels never wrote shows it
 
 
-def chunked(chunk=16):
-    return topk_mod.TopKLaunch(chunked_union_min_pages=1, union_chunk=chunk)
+def chunked(chunk=16, onepass=False):
+    return topk_mod.TopKLaunch(chunked_union_min_pages=1, union_chunk=chunk, onepass_union=onepass)
 
 
 def scores(kind, B, R, P, k, seed):
@@ -72,14 +74,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("onepass", [False, True], ids=["3-launch", "onepass"])
 @pytest.mark.parametrize("B,R,P,k,group,kind,chunk", CASES)
-def test_chunked_union_equals_serial_and_reference(B, R, P, k, group, kind, chunk):
+def test_chunked_union_equals_serial_and_reference(B, R, P, k, group, kind, chunk, onepass):
     s = scores(kind, B, R, P, k, seed=P + k)
     s0 = s.clone()
     out = torch.full((B, R // group, min(group * k, P)), POISON, dtype=torch.int32, device=DEV)
-    got = tk.topk_pages(s, k, group, launch=chunked(chunk), out=out)
+    got = tk.topk_pages(s, k, group, launch=chunked(chunk, onepass), out=out)
     assert got is out and torch.equal(s, s0)  # scores only read
-    serial = tk.topk_pages(s, k, group)
+    serial = tk.topk_pages(s, k, group, launch=topk_mod.TopKLaunch(onepass_union=False))
     want = expected(s, k, group)
     assert torch.equal(got, serial)
     assert torch.equal(got, want)  # ascending, every slot written, -1 tail
@@ -88,8 +91,9 @@ def test_chunked_union_equals_serial_and_reference(B, R, P, k, group, kind, chun
         assert as_sets(got) == as_sets(ref) and torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("onepass", [False, True], ids=["3-launch", "onepass"])
 @pytest.mark.parametrize("layout", ["transposed", "strided"])
-def test_chunked_union_reads_any_strides(layout):
+def test_chunked_union_reads_any_strides(layout, onepass):
     B, R, P, k, group = 2, 4, 70, 6, 4
     base = scores("ties", B, R, 2 * P, k, seed=3)
     if layout == "transposed":  # [B, P, R] storage seen as [B, R, P]
@@ -98,46 +102,53 @@ def test_chunked_union_reads_any_strides(layout):
     else:  # every other page of a wider row
         s = base[..., ::2]
         assert s.stride(2) == 2
-    got = tk.topk_pages(s, k, group, launch=chunked())
+    got = tk.topk_pages(s, k, group, launch=chunked(onepass=onepass))
     assert torch.equal(got, tk.topk_pages(s.contiguous(), k, group))
     assert torch.equal(got, expected(s.contiguous(), k, group))
 
 
-def test_chunked_union_strided_out():
+@pytest.mark.parametrize("onepass", [False, True], ids=["3-launch", "onepass"])
+def test_chunked_union_strided_out(onepass):
     B, R, P, k, group = 1, 4, 50, 5, 2
     s = scores("ties", B, R, P, k, seed=5)
     store = torch.full((B, 2 * (R // group), 2 * group * k), POISON, dtype=torch.int32, device=DEV)
     out = store[:, ::2, ::2]
-    tk.topk_pages(s, k, group, launch=chunked(), out=out)
+    tk.topk_pages(s, k, group, launch=chunked(onepass=onepass), out=out)
     assert torch.equal(out, expected(s, k, group))
     assert (store[:, 1::2] == POISON).all() and (store[:, :, 1::2] == POISON).all()
 
 
+@pytest.mark.parametrize("onepass", [False, True], ids=["3-launch", "onepass"])
 @pytest.mark.parametrize("flag_dtype", [torch.int32, torch.bool])
-def test_chunked_union_due_flag(flag_dtype):
+def test_chunked_union_due_flag(flag_dtype, onepass):
     # Reuse's flag 0: nothing written (the prefilled `out` keeps every value); 1: the usual ids.
     B, R, P, k, group = 1, 4, 60, 5, 4
     s = scores("ties", B, R, P, k, seed=7)
     out = torch.full((B, R // group, group * k), POISON, dtype=torch.int32, device=DEV)
-    tk.topk_pages(s, k, group, launch=chunked(), due=torch.tensor(0, dtype=flag_dtype, device=DEV), out=out)
+    launch = chunked(onepass=onepass)
+    tk.topk_pages(s, k, group, launch=launch, due=torch.tensor(0, dtype=flag_dtype, device=DEV), out=out)
     assert (out == POISON).all()
-    tk.topk_pages(s, k, group, launch=chunked(), due=torch.tensor(1, dtype=flag_dtype, device=DEV), out=out)
+    tk.topk_pages(s, k, group, launch=launch, due=torch.tensor(1, dtype=flag_dtype, device=DEV), out=out)
     assert torch.equal(out, expected(s, k, group))
 
 
 def test_chunked_union_runs_from_its_page_count_only(monkeypatch):
-    # By default from 2048 pages a row (where it was timed faster); the serial pass 2 below it.
-    assert topk_mod.TOPK_LAUNCH.chunked_union_min_pages == 2048
+    # By default the one-pass union for rows held in registers; without it, the three-launch chunked pass 2 from
+    # 2048 pages a row (where it was timed faster) and the serial pass 2 below it; rows too long for one register
+    # tile never take the one-pass union (their thresholds pass finds no tie cutoffs).
+    assert topk_mod.TOPK_LAUNCH.chunked_union_min_pages == 2048 and topk_mod.TOPK_LAUNCH.onepass_union
     calls = []
-    for name in ("_serial_union", "_chunked_union"):
+    for name in ("_serial_union", "_chunked_union", "_onepass_union"):
         real = getattr(topk_mod, name)
         monkeypatch.setattr(topk_mod, name, lambda *a, _n=name, _f=real, **kw: (calls.append(_n), _f(*a, **kw)))
     s = scores("random", 1, 4, 40, 3, seed=9)
     launch = dataclasses.replace(chunked(), chunked_union_min_pages=40)
     tk.topk_pages(s, 3, 2)
+    tk.topk_pages(s, 3, 2, launch=topk_mod.TopKLaunch(onepass_union=False))
     tk.topk_pages(s, 3, 2, launch=launch)
     tk.topk_pages(s[..., :39], 3, 2, launch=launch)
-    assert calls == ["_serial_union", "_chunked_union", "_serial_union"]
+    tk.topk_pages(s, 3, 2, launch=topk_mod.TopKLaunch(max_tile=32))
+    assert calls == ["_onepass_union", "_serial_union", "_chunked_union", "_serial_union", "_serial_union"]
 
 
 @pytest.mark.parametrize("chunk", [8, 48])

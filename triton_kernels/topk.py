@@ -84,6 +84,14 @@ class TopKLaunch:
         groups of 4, k = 129) chunks of 512 beat the serial pass 2 at every size timed, P = 2053 to 16389, B = 1
         and 8 (B = 1, P = 8197: 11.0 vs 74.6 us; 2053: 9.3 vs 14.4), 1024 is slower than 512: hence on from 2048
         pages, chunks of 512 (below 2048 not timed). `union_chunk`: a power of two >= 16.
+    lean: rows searched one a program in one tile of at most this many keys (MHA rows and shared scores, the split
+        union's thresholds; 0: never) take the lean path (`lean_config`): the row's count, least and largest key in
+        one three-operand reduction (not three), and a row whose k-th pick is alone in its rank bucket (nearly every
+        row) takes exactly the keys ranked at or above it, compacted by one scan: no threshold key, tie count or tie
+        ranks. Same ids as the path it replaces (tests/test_kernels.py). On an H200 (benchmarks/kernels/round15) it
+        took the 32K rows' Top-K from 9.0 to 8.1 us (2053 pages), shared scores 7.1 -> 6.5, and the 8B shared-score
+        layer step 21.5 -> 20.3 us; at 8192-key tiles the layer steps were 1.5-2.5 us slower in two calls: hence
+        4096.
     """
 
     def __post_init__(self):
@@ -103,6 +111,8 @@ class TopKLaunch:
     chunked_union_min_pages: int | None = 2048
     union_chunk: int = 512
     tail_tile: int = 64
+    lean: int = 4096
+    onepass_union: bool = True
 
 
 TOPK_LAUNCH = TopKLaunch()
@@ -244,11 +254,18 @@ def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr
     higher keys: every key ranked above the KK-th pick's bucket is chosen, none below it, and only a row taking
     part of that bucket searches its exact keys (rare at 16 bits: a bucket is ~2^-14 of the row's range).
     HAS_TAIL: the row's keys past the tile are `b_tail`, ranked and searched with it."""
+    i_hi = _tail_max(tl.max(tl.where((b_key > NEG_INF_KEY) & (b_key < POS_INF_KEY), b_key, INT_MIN), axis=1),
+                     tl.where((b_tail > NEG_INF_KEY) & (b_tail < POS_INF_KEY), b_tail, INT_MIN), HAS_TAIL)
+    b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_tail, HAS_TAIL)
+    return _rank_key(b_key, b_rank, r_lo, r_cnt, m_search, KK, b_tail, t_rank, HAS_TAIL)
+
+
+@triton.jit
+def _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS: tl.constexpr, b_tail, HAS_TAIL: tl.constexpr):
+    """`_ranked_threshold`'s search on ranks, given each row's least finite key `i_min` and largest finite key
+    below +inf `i_hi`: (the tile's ranks, the tail's, r_lo, r_cnt): `r_cnt` keys rank >= r_lo, the KK-th pick's
+    rank; a row with r_cnt == KK takes exactly the keys ranked >= r_lo."""
     Q_TOP: tl.constexpr = (1 << RANK_BITS) - 1
-    i_hi = tl.max(tl.where((b_key > NEG_INF_KEY) & (b_key < POS_INF_KEY), b_key, INT_MIN), axis=1)
-    if HAS_TAIL:
-        i_hi = tl.maximum(i_hi, tl.max(tl.where((b_tail > NEG_INF_KEY) & (b_tail < POS_INF_KEY), b_tail, INT_MIN),
-                                       axis=1))
     span = _key_float(i_hi) - _key_float(i_min)
     scale = (Q_TOP - 1) / tl.where(i_hi > i_min, span, 1.0)
     # No spread, an overflowing span or a denormal one: every finite key in rank 0 (the bucket search decides).
@@ -257,7 +274,13 @@ def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr
     t_rank = _ranks(b_tail, i_min, scale, Q_TOP) if HAS_TAIL else b_tail
     r_lo, r_cnt = _radix_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK,
                               t_rank, HAS_TAIL)
-    # Rows taking the whole of rank r_lo and above (exactly KK keys): T is the least of those keys.
+    return b_rank, t_rank, r_lo, r_cnt
+
+
+@triton.jit
+def _rank_key(b_key, b_rank, r_lo, r_cnt, m_search, KK, b_tail, t_rank, HAS_TAIL: tl.constexpr):
+    """The threshold key T of each row from `_rank_search`'s result: the least key ranked >= r_lo, or, for a row
+    that takes only part of rank r_lo's bucket, the bucket's exact KK-th key by a radix search over its keys."""
     i_lo = tl.min(tl.where((b_key > NEG_INF_KEY) & (b_rank >= r_lo[:, None]), b_key, INT_MAX), axis=1)
     if HAS_TAIL:
         i_lo = tl.minimum(i_lo, tl.min(tl.where((b_tail > NEG_INF_KEY) & (t_rank >= r_lo[:, None]), b_tail, INT_MAX),
@@ -279,6 +302,102 @@ def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr
         b_lo, _ = _radix_tile(b_bucket, b_lo, b_shift, r_cnt - c_gt, KK - c_gt, t_bucket, HAS_TAIL)
         i_lo = tl.where(m_part, b_lo, i_lo)
     return tl.where(m_search, i_lo, NEG_INF_KEY)
+
+
+@triton.jit
+def _stats3(n0, lo0, hi0, n1, lo1, hi1):
+    return n0 + n1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
+def _lean_keys(p_row, stride_sp, P, BLOCK_P: tl.constexpr, TAIL: tl.constexpr):
+    """One score row as `[1, BLOCK_P]` keys and, with TAIL > 0, its `[1, TAIL]` keys from BLOCK_P on
+    (`TopKLaunch.tail_tile`; else a placeholder). A tail folded into a second tile of the tile's shape (one
+    reduction for both) measured slower on an H200: twice the keys a thread (benchmarks/kernels/round15)."""
+    o_r = tl.arange(0, 1)
+    b_key1 = _load_keys(p_row, o_r, tl.arange(0, BLOCK_P), 0, stride_sp, 1, P)
+    b_key2 = _tail_keys(p_row, o_r, 0, stride_sp, 1, 1, P, BLOCK_P, TAIL)
+    return b_key1, b_key2
+
+
+@triton.jit
+def _row_stats(b_key):
+    # Per row of a tile: its finite count, least finite key and largest finite key below +inf, in one reduction.
+    fin = b_key > NEG_INF_KEY
+    return tl.reduce((fin.to(tl.int32), tl.where(fin, b_key, INT_MAX),
+                      tl.where(fin & (b_key < POS_INF_KEY), b_key, INT_MIN)), 1, _stats3)
+
+
+@triton.jit
+def _lean_search(b_key1, b_key2, KK, RANK_BITS: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """`_row_thresholds`' search for one row held by `_lean_keys`: its finite count, least finite key and largest
+    finite key below +inf in one three-operand reduction (a second for the tail), then the rank search.
+    Returns (n_fin, m_search, ranks, tail ranks, r_lo, r_cnt) as `_rank_search`."""
+    n_fin, i_min, i_hi = _row_stats(b_key1)
+    if HAS_TAIL:
+        n2, lo2, hi2 = _row_stats(b_key2)
+        n_fin, i_min, i_hi = _stats3(n_fin, i_min, i_hi, n2, lo2, hi2)
+    m_search = n_fin > KK
+    b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key1, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_key2, HAS_TAIL)
+    return n_fin, m_search, b_rank, t_rank, r_lo, r_cnt
+
+
+@triton.jit
+def _lean_cut(b_key1, b_key2, i_lo, KK, m_search, BLOCK_P: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """For a row held by `_lean_keys` whose KK-th largest key is T = `i_lo`: the largest page id among the ties at T
+    that it takes (ties go to the lowest ids: KK - #(keys > T) of them), so it takes key > T, and key == T up to
+    that page; and that number of ties. Rows not searching (at most KK finite keys): (INT_MAX, KK)."""
+    o_n = tl.arange(0, BLOCK_P)[None, :]
+    need = KK - _tail_sum(tl.sum((b_key1 > i_lo[:, None]).to(tl.int32), axis=1), (b_key2 > i_lo[:, None]).to(tl.int32),
+                          HAS_TAIL)
+    e1 = (b_key1 == i_lo[:, None]).to(tl.int32)
+    r1 = tl.cumsum(e1, axis=1) - 1
+    cut = tl.max(tl.where((e1 != 0) & (r1 < need[:, None]), o_n, -1), axis=1)
+    if HAS_TAIL:  # the tail's ties rank after the tile's
+        e2 = (b_key2 == i_lo[:, None]).to(tl.int32)
+        r2 = tl.sum(e1, axis=1)[:, None] + tl.cumsum(e2, axis=1) - 1
+        o_t = BLOCK_P + tl.arange(0, b_key2.shape[1])[None, :]
+        cut = tl.maximum(cut, tl.max(tl.where((e2 != 0) & (r2 < need[:, None]), o_t, -1), axis=1))
+    return tl.where(m_search, cut, INT_MAX), tl.where(m_search, need, KK)
+
+
+@triton.jit
+def _lean_topk_row(p_row, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P: tl.constexpr, MASK_REST: tl.constexpr,
+                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr):
+    """`_topk_rows` for one row (GROUP 1) with fewer block-wide steps (`TopKLaunch.lean`): a row whose KK-th pick
+    does not share its rank bucket (nearly all) takes exactly the keys ranked at or above it, compacted by one
+    scan; only otherwise are its threshold key and the page id up to which it takes ties found."""
+    HAS_TAIL: tl.constexpr = TAIL > 0
+    o_n = tl.arange(0, BLOCK_P)[None, :]
+    b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL)
+    o_t = BLOCK_P + tl.arange(0, b_key2.shape[1])[None, :]  # the tail's pages (TAIL 0: unused)
+    n_fin, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL)
+    r_pick = tl.where(m_search, r_lo, 0)  # rows not searching take every finite key (rank >= 0)
+    pick1 = b_rank >= r_pick[:, None]
+    pick2 = t_rank >= r_pick[:, None]
+    if tl.max((m_search & (r_cnt != KK)).to(tl.int32), axis=0) > 0:
+        i_lo = _rank_key(b_key1, b_rank, r_lo, r_cnt, m_search, KK, b_key2, t_rank, HAS_TAIL)
+        i_cut, _ = _lean_cut(b_key1, b_key2, i_lo, KK, m_search, BLOCK_P, HAS_TAIL)
+        pick1 = _cut_pick(b_key1, o_n, i_lo, i_cut)
+        pick2 = _cut_pick(b_key2, o_t, i_lo, i_cut)
+    total = tl.where(m_search, KK, n_fin)  # how many the row takes
+    tl.store(p_out + (tl.cumsum(pick1.to(tl.int32), axis=1) - 1) * stride_ok, o_n, mask=pick1)
+    if HAS_TAIL:  # the tail's picks are the last ones
+        pos2 = total[:, None] - tl.sum(pick2.to(tl.int32), axis=1)[:, None] + tl.cumsum(pick2.to(tl.int32), axis=1) - 1
+        tl.store(p_out + pos2 * stride_ok, o_t, mask=pick2)
+    if MASK_REST:  # the row's keys are read for the last time: overwrite the unchosen ones with -inf
+        tl.store(p_row + o_n * stride_sp, tl.full([1, BLOCK_P], float("-inf"), tl.float32), mask=(o_n < P) & ~pick1)
+        if HAS_TAIL:
+            tl.store(p_row + o_t * stride_sp, tl.full(b_key2.shape, float("-inf"), tl.float32), mask=(o_t < P) & ~pick2)
+    for i_k0 in range(0, K_OUT, BLOCK_P):
+        o_k = i_k0 + o_n
+        tl.store(p_out + o_k * stride_ok, tl.full([1, BLOCK_P], -1, tl.int32), mask=(o_k >= total[:, None]) & (o_k < K_OUT))
+
+
+@triton.jit
+def _cut_pick(b_key, o_p, i_lo, i_cut):
+    # A row's picks given its threshold key T and tie cutoff page (`_lean_cut`): keys above T, ties up to the cutoff.
+    return ((b_key > i_lo[:, None]) | ((b_key == i_lo[:, None]) & (o_p <= i_cut[:, None]))) & (b_key > NEG_INF_KEY)
 
 
 @triton.jit
@@ -421,6 +540,7 @@ def _topk_pages_kernel(
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
     MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr, TAIL: tl.constexpr,
+    LEAN: tl.constexpr,
 ):
     # HAS_DUE (selection reuse): on a step that reuses its stored pages every program returns here, having read
     # one flag and nothing of its row, so the launch (fixed grid: a captured step) is nearly empty.
@@ -428,26 +548,101 @@ def _topk_pages_kernel(
         i_bg = tl.program_id(0).to(tl.int64)
         i_b = i_bg // R_OUT
         i_g = i_bg % R_OUT
-        _topk_rows(s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr, out_ptr + i_b * stride_ob + i_g * stride_or,
-                   stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, MASK_REST,
-                   RANK_BITS, TAIL)
+        p_rows = s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr
+        p_out = out_ptr + i_b * stride_ob + i_g * stride_or
+        if LEAN:  # one row a program, held in one tile (and a tail): `lean_config`
+            _lean_topk_row(p_rows, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P, MASK_REST, RANK_BITS, TAIL)
+        else:
+            _topk_rows(p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P,
+                       SINGLE_TILE, MASK_REST, RANK_BITS, TAIL)
 
 
 @triton.jit
 def _topk_thresholds_kernel(
-    s_ptr, thr_ptr, need_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R, P, KK,
+    s_ptr, thr_ptr, need_ptr, cut_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R, P, KK, zero_ptr, N_ZERO,
     BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
-    TAIL: tl.constexpr,
+    TAIL: tl.constexpr, LEAN: tl.constexpr, CUT: tl.constexpr, GROUP: tl.constexpr, ZERO_PAD: tl.constexpr,
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group).
-    A reusing step (HAS_DUE, flag 0) writes no threshold: pass 2 reads the same flag and none."""
+    With CUT (single-tile rows) also the page id up to which the row takes its ties at the threshold (`_lean_cut`;
+    INT_MAX: all of them), and the first program of each group of GROUP rows zeroes the group's N_ZERO int32 at
+    `zero_ptr` (the one-pass union's ticket and counts). A reusing step (HAS_DUE, flag 0) writes nothing: pass
+    2 reads the same flag and none of it."""
     if due_flag(due_ptr, HAS_DUE) != 0:
         i_row = tl.program_id(0).to(tl.int64)
-        i_lo, i_need, _, _ = _row_thresholds(s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr, stride_sr,
-                                             stride_sp, P, KK, 1, 1, BLOCK_P, SINGLE_TILE, RANK_BITS, TAIL)
+        p_row = s_ptr + (i_row // R) * stride_sb + (i_row % R) * stride_sr
         o_1 = tl.arange(0, 1)
+        HAS_TAIL: tl.constexpr = TAIL > 0
+        if LEAN:
+            b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL)
+            _, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL)
+            i_lo = _rank_key(b_key1, b_rank, r_lo, r_cnt, m_search, KK, b_key2, t_rank, HAS_TAIL)
+            # A row taking all of its ranks >= r_lo takes every tie at T: need KK (>= their count), no cutoff.
+            i_need = o_1 * 0 + KK
+            i_cut = o_1 * 0 + INT_MAX
+            if tl.max((m_search & (r_cnt != KK)).to(tl.int32), axis=0) > 0:
+                i_cut, i_need = _lean_cut(b_key1, b_key2, i_lo, KK, m_search, BLOCK_P, HAS_TAIL)
+        else:
+            i_lo, i_need, b_key1, b_key2 = _row_thresholds(p_row, stride_sr, stride_sp, P, KK, 1, 1, BLOCK_P,
+                                                           SINGLE_TILE, RANK_BITS, TAIL)
+            i_cut = o_1 * 0 + INT_MAX
+            if CUT:  # a row with more ties at T than it takes: the page of its last tie taken
+                n_eq = _tail_sum(tl.sum((b_key1 == i_lo[:, None]).to(tl.int32), axis=1),
+                                 (b_key2 == i_lo[:, None]).to(tl.int32), HAS_TAIL)
+                if tl.max((n_eq > i_need).to(tl.int32), axis=0) > 0:
+                    i_cut, _ = _lean_cut(b_key1, b_key2, i_lo, KK, i_lo > NEG_INF_KEY, BLOCK_P, HAS_TAIL)
         tl.store(thr_ptr + i_row + o_1, i_lo)
         tl.store(need_ptr + i_row + o_1, i_need)
+        if CUT:
+            tl.store(cut_ptr + i_row + o_1, i_cut)
+            o_z = tl.arange(0, ZERO_PAD)
+            tl.store(zero_ptr + (i_row // GROUP) * N_ZERO + o_z, tl.zeros([ZERO_PAD], dtype=tl.int32),
+                     mask=(o_z < N_ZERO) & (i_row % GROUP == 0))
+
+
+@triton.jit
+def _union_onepass_kernel(
+    s_ptr, thr_ptr, cut_ptr, state_ptr, out_ptr, due_ptr,
+    stride_sb, stride_sr, stride_sp, stride_ob, stride_or, stride_ok, R_OUT, P, NCHUNK, K_OUT,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, NCHUNK_PAD: tl.constexpr, HAS_DUE: tl.constexpr,
+):
+    """Split union, pass 2 in one launch (`TopKLaunch.onepass_union`), over (group, chunk of pages) programs. A
+    program takes the next chunk of its group by a ticket (so every earlier chunk's program has started), unites
+    its rows' picks there (keys above each row's threshold, ties up to the row's cutoff page: nothing depends on
+    other chunks), publishes the chunk's union count, adds up the earlier chunks' counts (waiting for any not yet
+    published) and writes its ids compacted after theirs; the last chunk writes the -1 tail. The group's state
+    `[1 + NCHUNK]` int32 (ticket, counts + 1) was zeroed by the thresholds pass."""
+    if due_flag(due_ptr, HAS_DUE) != 0:
+        i_bg = tl.program_id(0).to(tl.int64)
+        p_state = state_ptr + i_bg * (1 + NCHUNK)
+        i_c = tl.atomic_add(p_state, 1)
+        p_rows = s_ptr + (i_bg // R_OUT) * stride_sb + (i_bg % R_OUT) * GROUP * stride_sr
+        o_n = tl.arange(0, CHUNK)
+        o_p = i_c * CHUNK + o_n
+        m_p = o_p < P
+        b_u = o_n < 0
+        for g in tl.static_range(GROUP):
+            i_lo = tl.load(thr_ptr + i_bg * GROUP + g)
+            i_cut = tl.load(cut_ptr + i_bg * GROUP + g)
+            b_key = _order_key(tl.load(p_rows + g * stride_sr + o_p * stride_sp, mask=m_p, other=float("-inf")))
+            b_u = b_u | (((b_key > i_lo) | ((b_key == i_lo) & (o_p <= i_cut))) & (b_key > NEG_INF_KEY))
+        b_u = b_u.to(tl.int32)
+        i_own = tl.sum(b_u, axis=0)
+        tl.atomic_xchg(p_state + 1 + i_c, i_own + 1)  # published: the count + 1 (0: not yet)
+        o_c = tl.arange(0, NCHUNK_PAD)
+        m_c = o_c < i_c
+        b_f = tl.atomic_add(p_state + 1 + o_c, 0, mask=m_c)
+        while tl.min(tl.where(m_c, b_f, 1), axis=0) == 0:
+            b_f = tl.atomic_add(p_state + 1 + o_c, 0, mask=m_c)
+        i_out = tl.sum(tl.where(m_c, b_f - 1, 0), axis=0)
+        p_out = out_ptr + (i_bg // R_OUT) * stride_ob + (i_bg % R_OUT) * stride_or
+        tl.store(p_out + (i_out + tl.cumsum(b_u, axis=0) - 1) * stride_ok, o_p, mask=b_u != 0)
+        if i_c == NCHUNK - 1:  # every other chunk is counted: the -1 tail after the group's ids
+            i_total = i_out + i_own
+            for i_k0 in range(0, K_OUT, CHUNK):
+                o_k = i_k0 + o_n
+                tl.store(p_out + o_k * stride_ok, tl.full([CHUNK], -1, tl.int32),
+                         mask=(o_k >= i_total) & (o_k < K_OUT))
 
 
 @triton.jit
@@ -632,33 +827,76 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
         out.stride(0), out.stride(1), out.stride(2),
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
-        RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail, num_warps=launch.num_warps or warps,
+        RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail,
+        LEAN=lean_config(P, group, launch) and launch.block_p is None, num_warps=launch.num_warps or warps,
     )
     return out
 
 
+def lean_config(P: int, group: int, launch: TopKLaunch | None = None) -> bool:
+    """Whether rows of P pages in groups of `group` take `TopKLaunch.lean`'s path: one row a program (group 1),
+    held in one register tile and its tail, ranked first."""
+    launch = launch or TOPK_LAUNCH
+    block_p, _, single = launch_config(P, 1, launch)
+    return group == 1 and launch.rank_bits > 0 and single and block_p <= launch.lean
+
+
 def _split_union(scores, out, k, group, launch, due=None):
-    thr, need = _thresholds(scores, k, launch, due)
     P = scores.shape[2]
+    if onepass_config(P, launch):
+        _onepass_union(scores, out, k, group, launch, due)
+        return
+    thr, need, _ = _thresholds(scores, k, launch, due)
     if launch.chunked_union_min_pages is not None and P >= launch.chunked_union_min_pages:
         _chunked_union(scores, thr, need, out, group, launch, due)
     else:
         _serial_union(scores, thr, need, out, group, launch, due)
 
 
-def _thresholds(scores, k, launch, due=None):
-    """Split union, pass 1: each row's threshold key and ties to take, int32 `[B * R]` each."""
+def onepass_config(P: int, launch: TopKLaunch | None = None) -> bool:
+    """Whether a split union of rows of P pages takes `TopKLaunch.onepass_union`'s two launches (the rows' tiles
+    held in registers: their thresholds pass finds each row's tie cutoff)."""
+    launch = launch or TOPK_LAUNCH
+    return launch.onepass_union and launch_config(P, 1, launch)[2]
+
+
+def _thresholds(scores, k, launch, due=None, group=1, zero=0):
+    """Split union, pass 1: each row's threshold key, ties to take and (with `zero`, or on the lean path; else None)
+    tie cutoff page, int32 `[B * R]` each; with `zero` > 0 also a `[B * R // group, zero]` int32 that the kernel
+    zeroes (the one-pass union's state)."""
     B, R, P = scores.shape
     thr = torch.empty(B * R, dtype=torch.int32, device=scores.device)
     need = torch.empty_like(thr)
-    flag = due_arg(due, thr)
+    lean = lean_config(P, 1, launch)
     block_p, warps, single = launch_config(P, 1, launch)
+    cut_on = (lean or zero > 0) and single
+    cut = torch.empty_like(thr) if cut_on else None
+    state = torch.empty(B * R // group, max(zero, 1), dtype=torch.int32, device=scores.device) if zero else None
     _topk_thresholds_kernel[(B * R,)](
-        scores, thr, need, flag, scores.stride(0), scores.stride(1), scores.stride(2), R, P, min(k, P),
-        BLOCK_P=block_p, SINGLE_TILE=single, RANK_BITS=launch.rank_bits, HAS_DUE=due is not None,
-        TAIL=tail_config(P, 1, launch)[1], num_warps=warps,
+        scores, thr, need, cut if cut_on else thr, due_arg(due, thr), scores.stride(0), scores.stride(1),
+        scores.stride(2), R, P, min(k, P), state if zero else thr, zero, BLOCK_P=block_p, SINGLE_TILE=single,
+        RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail_config(P, 1, launch)[1], LEAN=lean,
+        CUT=cut_on, GROUP=group, ZERO_PAD=next_pow2(max(zero, 1)), num_warps=warps,
     )
-    return thr, need
+    return (thr, need, cut, state) if zero else (thr, need, cut)
+
+
+def _onepass_union(scores, out, k, group, launch, due=None):
+    """Split union in two launches (`TopKLaunch.onepass_union`): the thresholds pass (with tie cutoffs), then one
+    launch over (group, chunk of `union_chunk` pages) programs. Workspace: int32 thresholds, ties and cutoffs
+    `[B * R]` and the groups' state `[B * R // group, 1 + NCHUNK]` (zeroed by the thresholds pass)."""
+    B, R, P = scores.shape
+    R_OUT = R // group
+    chunk = min(launch.union_chunk, max(16, next_pow2(P)))
+    nchunk = cdiv(P, chunk)
+    thr, _, cut, state = _thresholds(scores, k, launch, due, group=group, zero=1 + nchunk)
+    warps = max(1, min(launch.max_warps, next_pow2(group) * chunk // (32 * launch.keys_per_thread)))
+    _union_onepass_kernel[(B * R_OUT, nchunk)](
+        scores, thr, cut, state, out, due_arg(due, thr),
+        scores.stride(0), scores.stride(1), scores.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        R_OUT, P, nchunk, out.shape[2], GROUP=group, CHUNK=chunk, NCHUNK_PAD=next_pow2(nchunk),
+        HAS_DUE=due is not None, num_warps=warps,
+    )
 
 
 def _serial_union(scores, thr, need, out, group, launch, due=None):
