@@ -800,9 +800,10 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
     program per (b, group) finds the k-th
     largest score of each of its rows together, by a radix search on the fp32 bit pattern that starts at the
     bits where the row's scores differ and stops once the threshold is unique, then writes the union compacted.
-    Unions (group > 1, `launch.split_union`) take two launches instead: a program per row finds its threshold,
-    then a program per group writes the union (same ids; from `launch.chunked_union_min_pages` pages a row,
-    programs per (group, chunk of pages) in three launches). `launch`: a `TopKLaunch` (benchmarks and tests vary it);
+    Unions (group > 1, `launch.split_union`) take two launches instead: a program per row finds its threshold
+    (and tie cutoff page), then programs per (group, chunk of pages) write the union (`launch.onepass_union`; same
+    ids; without it a program per group, or from `launch.chunked_union_min_pages` pages a row programs per (group,
+    chunk) in three launches). `launch`: a `TopKLaunch` (benchmarks and tests vary it);
     None: the module's `TOPK_LAUNCH`, read at each call (the benchmarks' `--topk-launch` replaces it).
     `due` (HAS_DUE: selection reuse's device flag, the one `score_pages(due=)` read): every program loads it first
     and, where it is 0, returns before loading its row: nothing is read or written (`out`, the scores under
