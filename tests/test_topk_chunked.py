@@ -21,7 +21,10 @@ POISON = 0x7FC00000  # a NaN's bit pattern: a slot the kernels never wrote shows
 
 
 def chunked(chunk=16, onepass=False):
-    return topk_mod.TopKLaunch(chunked_union_min_pages=1, union_chunk=chunk, onepass_union=onepass)
+    """Launches of the chunked pass 2: three launches (False), one (True), or one after the grouped thresholds
+    pass ("grouped": lean=0, the tie cutoff found from its threshold and ties)."""
+    return topk_mod.TopKLaunch(chunked_union_min_pages=1, union_chunk=chunk, onepass_union=bool(onepass),
+                               lean=0 if onepass == "grouped" else topk_mod.TopKLaunch.lean)
 
 
 def scores(kind, B, R, P, k, seed):
@@ -74,7 +77,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("onepass", [False, True], ids=["3-launch", "onepass"])
+@pytest.mark.parametrize("onepass", [False, True, "grouped"], ids=["3-launch", "onepass", "onepass-grouped"])
 @pytest.mark.parametrize("B,R,P,k,group,kind,chunk", CASES)
 def test_chunked_union_equals_serial_and_reference(B, R, P, k, group, kind, chunk, onepass):
     s = scores(kind, B, R, P, k, seed=P + k)
