@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import cdiv, check_due, check_out, due_arg, due_flag, next_pow2, require_triton, tl, triton
+from ._common import cdiv, check_due, check_out, due_arg, due_flag, interpreting, next_pow2, require_triton, tl, triton
 
 __all__ = ["topk_pages", "topk_pages_ref", "top_p_mask", "top_p_mask_ref"]
 
@@ -321,21 +321,29 @@ def _lean_keys(p_row, stride_sp, P, BLOCK_P: tl.constexpr, TAIL: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(b_key):
-    # Per row of a tile: its finite count, least finite key and largest finite key below +inf, in one reduction.
+def _row_stats(b_key, ONE_REDUCE: tl.constexpr):
+    # Per row of a tile: its finite count, least finite key and largest finite key below +inf, in one reduction
+    # (ONE_REDUCE; the interpreter runs a tuple reduction's combine in Python, ~5x the whole Top-K's time on CPU,
+    # so it takes the same three values by three plain reductions).
     fin = b_key > NEG_INF_KEY
-    return tl.reduce((fin.to(tl.int32), tl.where(fin, b_key, INT_MAX),
-                      tl.where(fin & (b_key < POS_INF_KEY), b_key, INT_MIN)), 1, _stats3)
+    n = fin.to(tl.int32)
+    lo = tl.where(fin, b_key, INT_MAX)
+    hi = tl.where(fin & (b_key < POS_INF_KEY), b_key, INT_MIN)
+    if ONE_REDUCE:
+        n, lo, hi = tl.reduce((n, lo, hi), 1, _stats3)
+    else:
+        n, lo, hi = tl.sum(n, axis=1), tl.min(lo, axis=1), tl.max(hi, axis=1)
+    return n, lo, hi
 
 
 @triton.jit
-def _lean_search(b_key1, b_key2, KK, RANK_BITS: tl.constexpr, HAS_TAIL: tl.constexpr):
+def _lean_search(b_key1, b_key2, KK, RANK_BITS: tl.constexpr, HAS_TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr):
     """`_row_thresholds`' search for one row held by `_lean_keys`: its finite count, least finite key and largest
     finite key below +inf in one three-operand reduction (a second for the tail), then the rank search.
     Returns (n_fin, m_search, ranks, tail ranks, r_lo, r_cnt) as `_rank_search`."""
-    n_fin, i_min, i_hi = _row_stats(b_key1)
+    n_fin, i_min, i_hi = _row_stats(b_key1, ONE_REDUCE)
     if HAS_TAIL:
-        n2, lo2, hi2 = _row_stats(b_key2)
+        n2, lo2, hi2 = _row_stats(b_key2, ONE_REDUCE)
         n_fin, i_min, i_hi = _stats3(n_fin, i_min, i_hi, n2, lo2, hi2)
     m_search = n_fin > KK
     b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key1, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_key2, HAS_TAIL)
@@ -363,7 +371,7 @@ def _lean_cut(b_key1, b_key2, i_lo, KK, m_search, BLOCK_P: tl.constexpr, HAS_TAI
 
 @triton.jit
 def _lean_topk_row(p_row, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P: tl.constexpr, MASK_REST: tl.constexpr,
-                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr):
+                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr):
     """`_topk_rows` for one row (GROUP 1) with fewer block-wide steps (`TopKLaunch.lean`): a row whose KK-th pick
     does not share its rank bucket (nearly all) takes exactly the keys ranked at or above it, compacted by one
     scan; only otherwise are its threshold key and the page id up to which it takes ties found."""
@@ -371,7 +379,8 @@ def _lean_topk_row(p_row, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P: tl
     o_n = tl.arange(0, BLOCK_P)[None, :]
     b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL)
     o_t = BLOCK_P + tl.arange(0, b_key2.shape[1])[None, :]  # the tail's pages (TAIL 0: unused)
-    n_fin, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL)
+    n_fin, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL,
+                                                                ONE_REDUCE)
     r_pick = tl.where(m_search, r_lo, 0)  # rows not searching take every finite key (rank >= 0)
     pick1 = b_rank >= r_pick[:, None]
     pick2 = t_rank >= r_pick[:, None]
@@ -540,7 +549,7 @@ def _topk_pages_kernel(
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
     MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr, TAIL: tl.constexpr,
-    LEAN: tl.constexpr,
+    LEAN: tl.constexpr, ONE_REDUCE: tl.constexpr,
 ):
     # HAS_DUE (selection reuse): on a step that reuses its stored pages every program returns here, having read
     # one flag and nothing of its row, so the launch (fixed grid: a captured step) is nearly empty.
@@ -551,7 +560,8 @@ def _topk_pages_kernel(
         p_rows = s_ptr + i_b * stride_sb + i_g * GROUP * stride_sr
         p_out = out_ptr + i_b * stride_ob + i_g * stride_or
         if LEAN:  # one row a program, held in one tile (and a tail): `lean_config`
-            _lean_topk_row(p_rows, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P, MASK_REST, RANK_BITS, TAIL)
+            _lean_topk_row(p_rows, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P, MASK_REST, RANK_BITS, TAIL,
+                           ONE_REDUCE)
         else:
             _topk_rows(p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P,
                        SINGLE_TILE, MASK_REST, RANK_BITS, TAIL)
@@ -562,6 +572,7 @@ def _topk_thresholds_kernel(
     s_ptr, thr_ptr, need_ptr, cut_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R, P, KK, zero_ptr, N_ZERO,
     BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
     TAIL: tl.constexpr, LEAN: tl.constexpr, CUT: tl.constexpr, GROUP: tl.constexpr, ZERO_PAD: tl.constexpr,
+    ONE_REDUCE: tl.constexpr,
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group).
     With CUT (single-tile rows) also the page id up to which the row takes its ties at the threshold (`_lean_cut`;
@@ -575,7 +586,8 @@ def _topk_thresholds_kernel(
         HAS_TAIL: tl.constexpr = TAIL > 0
         if LEAN:
             b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL)
-            _, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL)
+            _, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL,
+                                                                    ONE_REDUCE)
             i_lo = _rank_key(b_key1, b_rank, r_lo, r_cnt, m_search, KK, b_key2, t_rank, HAS_TAIL)
             # A row taking all of its ranks >= r_lo takes every tie at T: need KK (>= their count), no cutoff.
             i_need = o_1 * 0 + KK
@@ -829,7 +841,8 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
         R // group, P, min(k, P), K_out,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
         RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail,
-        LEAN=lean_config(P, group, launch) and launch.block_p is None, num_warps=launch.num_warps or warps,
+        LEAN=lean_config(P, group, launch) and launch.block_p is None, ONE_REDUCE=not interpreting(),
+        num_warps=launch.num_warps or warps,
     )
     return out
 
@@ -877,6 +890,7 @@ def _thresholds(scores, k, launch, due=None, group=1, zero=0):
         scores, thr, need, cut if cut_on else thr, due_arg(due, thr), scores.stride(0), scores.stride(1),
         scores.stride(2), R, P, min(k, P), state if zero else thr, zero, BLOCK_P=block_p, SINGLE_TILE=single,
         RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail_config(P, 1, launch)[1], LEAN=lean,
+        ONE_REDUCE=not interpreting(),
         CUT=cut_on, GROUP=group, ZERO_PAD=next_pow2(max(zero, 1)), num_warps=warps,
     )
     return (thr, need, cut, state) if zero else (thr, need, cut)
