@@ -339,16 +339,18 @@ def test_topk_tail_tile_gives_the_one_tiles_ids(kind, B, R, P, k, group, how):
 
 
 LEAN_KINDS = ["plain", "ties", "negative", "denormal", "huge-spread", "inf-beyond-k", "all-equal", "close", "ties-in-tail"]
-LEAN_CASES = [  # B, R, P, k, group, how, rank_bits: every kind on short rows, the 32K decode's rows on three kinds
-    (2, 3, 300, 20, 1, "one", 16), (2, 3, 300, 20, 1, "one", 2), (1, 2, 200, 40, 1, "one", 16),
-    (2, 2, 300, 40, 1, "mask", 16), (2, 2, 257, 40, 1, "mask", 2), (1, 4, 300, 33, 4, "serial", 16),
-    (1, 4, 257, 33, 4, "serial", 2), (1, 4, 300, 33, 4, "split", 2)]
+# B, R, P, k, group, how, rank_bits. Every kind through the rank-bucket fallback (rank_bits=2) of one launch (a tail
+# tile past 256) and of the split union's thresholds pass; the other paths and the 32K decode's rows on fewer kinds.
+LEAN_CASES = ([(kind, 2, 3, 300, 20, 1, "one", 2) for kind in LEAN_KINDS]
+              + [(kind, 1, 4, 300, 33, 4, "split", 2) for kind in LEAN_KINDS]
+              + [(kind, *case) for kind in ("plain", "ties") for case in [
+                  (2, 3, 300, 20, 1, "one", 16), (1, 2, 200, 40, 1, "one", 16), (2, 2, 300, 40, 1, "mask", 16),
+                  (2, 2, 257, 40, 1, "mask", 2), (1, 4, 257, 33, 4, "serial", 2)]]
+              + [(kind, *case) for kind in ("plain", "ties-in-tail")
+                 for case in [(1, 4, 2053, 129, 4, "split", 16), (1, 2, 2053, 129, 1, "one", 16)]])
 
 
-@pytest.mark.parametrize("kind,B,R,P,k,group,how,rank_bits",
-                         [(kind, *case) for kind in LEAN_KINDS for case in LEAN_CASES]
-                         + [(kind, *case) for kind in ("plain", "ties", "ties-in-tail")
-                            for case in [(1, 4, 2053, 129, 4, "split", 16), (1, 2, 2053, 129, 1, "one", 16)]])
+@pytest.mark.parametrize("kind,B,R,P,k,group,how,rank_bits", LEAN_CASES)
 def test_topk_lean_path_gives_the_same_ids(kind, B, R, P, k, group, how, rank_bits):
     # TopKLaunch(lean): one row a program (MHA rows, shared scores, the split union's thresholds) with one reduction
     # a whole-row step and no threshold key or tie ranks for a row whose k-th pick is alone in its rank bucket: the
