@@ -152,9 +152,10 @@ def _attn_split(
     H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2, rows_ptr, stride_rb,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
+    HAS_ROWS: tl.constexpr, IDS_CACHE: tl.constexpr,
 ):
     """Split `i_split` of KV head (i_b, i_h)'s page list: its G query heads' partial softmax (m, l, acc).
+    IDS_CACHE: the page ids' load cache modifier (".cg" where another program of the same launch wrote them).
 
     Logits in log2 units: `q.k * qk_scale`, or with USE_SOFTCAP `softcap_log2 * tanh(q.k * qk_scale)` (the
     launcher folds scale / softcap into qk_scale). With HAS_ROWS each chosen page is read from the batch row that
@@ -184,7 +185,7 @@ def _attn_split(
     # id -> K/V latency.
     i_t1 = i_id1 * PAGE
     o_t = i_id0 * PAGE + o_n
-    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1)
+    b_page = tl.load(p_ids + (o_t // PAGE) * stride_ik, mask=o_t < i_t1, other=-1, cache_modifier=IDS_CACHE)
     p_row = rows_ptr + i_b * stride_rb
     if HAS_ROWS:  # loaded one step ahead too, right after the page id it depends on
         b_row = tl.load(p_row + b_page, mask=b_page >= 0, other=0).to(tl.int64)
@@ -203,7 +204,7 @@ def _attn_split(
         # K/V loads do not wait for the valid[] load.
         m_n = (b_page >= 0) & (o_slot < SEQ_LEN)
         o_tn = o_t + BLOCK_N
-        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1)
+        b_page = tl.load(p_ids + (o_tn // PAGE) * stride_ik, mask=o_tn < i_t1, other=-1, cache_modifier=IDS_CACHE)
         b_ok = tl.load(p_okn + o_slot * stride_vac, mask=m_n, other=0)
         m_tok = m_n & (b_ok != 0) & (o_slot >= WINDOW_START)
         m_nd = m_n[:, None] & m_d[None, :]
@@ -269,7 +270,7 @@ def _sparse_attn_split_kernel(
                 stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
                 stride_vb, stride_vh, stride_vc, stride_vd, stride_ib, stride_ih, stride_ik, stride_vab, stride_vac,
                 H_KV, N_IDS, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, WINDOW_START, qk_scale, softcap_log2,
-                rows_ptr, stride_rb, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, HAS_ROWS)
+                rows_ptr, stride_rb, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, HAS_ROWS, "")
     if FUSE_MERGE:
         # Every thread's partial stores are ordered before the ticket by the barrier and the atomic's release;
         # the last split's acquire orders its L2 reads (.cg) of the other splits' partials after them.

@@ -133,9 +133,15 @@ def _order_key(x):
 @triton.jit
 def _load_keys(p_rows, o_r, o_p, stride_sr, stride_sp, G, P):
     # [G_PAD, BLOCK_P] keys; lanes past P or G get INT_MIN, below every real key.
+    return _load_keys_from(p_rows, o_r, o_p, stride_sr, stride_sp, G, P, "")
+
+
+@triton.jit
+def _load_keys_from(p_rows, o_r, o_p, stride_sr, stride_sp, G, P, CACHE: tl.constexpr):
+    # `_load_keys` with a cache modifier (".cg": scores another program of the same launch wrote, read from L2).
     m = (o_r[:, None] < G) & (o_p[None, :] < P)
     b_key = _order_key(tl.load(p_rows + o_r[:, None] * stride_sr + o_p[None, :] * stride_sp, mask=m,
-                               other=float("-inf")))
+                               other=float("-inf"), cache_modifier=CACHE))
     return tl.where(m, b_key, INT_MIN)
 
 
@@ -310,13 +316,17 @@ def _stats3(n0, lo0, hi0, n1, lo1, hi1):
 
 
 @triton.jit
-def _lean_keys(p_row, stride_sp, P, BLOCK_P: tl.constexpr, TAIL: tl.constexpr):
+def _lean_keys(p_row, stride_sp, P, BLOCK_P: tl.constexpr, TAIL: tl.constexpr, CACHE: tl.constexpr):
     """One score row as `[1, BLOCK_P]` keys and, with TAIL > 0, its `[1, TAIL]` keys from BLOCK_P on
     (`TopKLaunch.tail_tile`; else a placeholder). A tail folded into a second tile of the tile's shape (one
-    reduction for both) measured slower on an H200: twice the keys a thread (benchmarks/kernels/round15)."""
+    reduction for both) measured slower on an H200: twice the keys a thread (benchmarks/kernels/round15).
+    CACHE: the loads' cache modifier (the fused step reads scores written in the same launch: ".cg")."""
     o_r = tl.arange(0, 1)
-    b_key1 = _load_keys(p_row, o_r, tl.arange(0, BLOCK_P), 0, stride_sp, 1, P)
-    b_key2 = _tail_keys(p_row, o_r, 0, stride_sp, 1, 1, P, BLOCK_P, TAIL)
+    b_key1 = _load_keys_from(p_row, o_r, tl.arange(0, BLOCK_P), 0, stride_sp, 1, P, CACHE)
+    if TAIL > 0:
+        b_key2 = _load_keys_from(p_row, o_r, BLOCK_P + tl.arange(0, TAIL), 0, stride_sp, 1, P, CACHE)
+    else:
+        b_key2 = tl.zeros([1, 16], dtype=tl.int32)
     return b_key1, b_key2
 
 
@@ -371,13 +381,13 @@ def _lean_cut(b_key1, b_key2, i_lo, KK, m_search, BLOCK_P: tl.constexpr, HAS_TAI
 
 @triton.jit
 def _lean_topk_row(p_row, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P: tl.constexpr, MASK_REST: tl.constexpr,
-                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr):
+                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr, CACHE: tl.constexpr):
     """`_topk_rows` for one row (GROUP 1) with fewer block-wide steps (`TopKLaunch.lean`): a row whose KK-th pick
     does not share its rank bucket (nearly all) takes exactly the keys ranked at or above it, compacted by one
     scan; only otherwise are its threshold key and the page id up to which it takes ties found."""
     HAS_TAIL: tl.constexpr = TAIL > 0
     o_n = tl.arange(0, BLOCK_P)[None, :]
-    b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL)
+    b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL, CACHE)
     o_t = BLOCK_P + tl.arange(0, b_key2.shape[1])[None, :]  # the tail's pages (TAIL 0: unused)
     n_fin, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL,
                                                                 ONE_REDUCE)
@@ -561,7 +571,7 @@ def _topk_pages_kernel(
         p_out = out_ptr + i_b * stride_ob + i_g * stride_or
         if LEAN:  # one row a program, held in one tile (and a tail): `lean_config`
             _lean_topk_row(p_rows, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P, MASK_REST, RANK_BITS, TAIL,
-                           ONE_REDUCE)
+                           ONE_REDUCE, "")
         else:
             _topk_rows(p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P,
                        SINGLE_TILE, MASK_REST, RANK_BITS, TAIL)
@@ -585,7 +595,7 @@ def _topk_thresholds_kernel(
         o_1 = tl.arange(0, 1)
         HAS_TAIL: tl.constexpr = TAIL > 0
         if LEAN:
-            b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL)
+            b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL, "")
             _, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL,
                                                                     ONE_REDUCE)
             i_lo = _rank_key(b_key1, b_rank, r_lo, r_cnt, m_search, KK, b_key2, t_rank, HAS_TAIL)

@@ -1,0 +1,301 @@
+"""A decode layer's whole Quest step in one launch: page scores, Top-K, attention over the chosen pages, merge.
+
+Experimental: `patch_model` does not use it. On an H200 (benchmarks/kernels/round16) it gives the separate kernels'
+ids exactly and measured 32.3 us against their 33.9 at Llama-2-7B B=1 32K (chained), but slower at 128K (73.8 vs
+65.6), B=8 (151 vs 146) and Llama-3-8B shared scores (24.9 vs 20.5): one kernel holds the registers and shared
+memory of its largest role (the Top-K tile, the attention tiles), so the scoring runs at a quarter of its own
+kernel's occupancy, which costs more than the overlap below saves. A persistent variant (programs all resident,
+each walking its items) was slower still. Kept, with its tests, as the base for a design that splits the roles'
+resources (warp specialization).
+
+The separate kernels (`score_pages`, `topk_pages`, `sparse_decode_attention`) run one after another: each waits
+for the last program of the one before, and the Top-K (a few microseconds of one program a row's dependent
+reductions) leaves the memory system idle. Here one grid does all of it, per KV head as soon as its inputs exist:
+
+- programs take a role by an atomic ticket (not by program id: a program that waits only ever waits on programs
+  that took earlier tickets, which are running or done, so the waits cannot deadlock whatever order the hardware
+  starts programs in);
+- the first `B * H_kv * NCHUNK` tickets score `score_item` pages of one KV head (head-major, so early heads finish
+  first); the last item of a head to finish (a per-head counter) runs that head's Top-K (`topk._lean_topk_row`,
+  reading the scores from L2) and raises the head's ready flag;
+- the remaining tickets are attention splits (flash-decoding), head-major: each spins on its head's flag, attends
+  its share of the chosen pages, and the last split of a head to finish merges the head's partials.
+
+Rows are one a KV head: MHA, or GQA with a shared score (`reduce="max"` / `"sum"`); rows the lean Top-K holds
+(`StepLaunch.lean_keys`). The state (three ints a KV head and the ticket) returns to zero by the end of every
+launch, so a caller keeps one zeroed workspace per layer (or per stream) and a captured graph replays with no
+memset.
+"""
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import topk as _topk
+from ._common import as_u8, cdiv, check_query, interpreting, next_pow2, require_triton, tl, triton
+from .score import _check as _check_score
+from .score import _check_pos, _score_block, score_pages_ref
+from .sparse_attention import (
+    LOG2E,
+    AttentionLaunch,
+    _attn_split,
+    _merge_group,
+    _num_splits,
+    sparse_decode_attention_ref,
+)
+from .topk import _lean_topk_row, launch_config, lean_config, tail_config, topk_pages_ref
+
+__all__ = ["StepLaunch", "STEP_LAUNCH", "fused_step_supported", "quest_step", "quest_step_ref", "step_workspace"]
+
+
+@dataclass(frozen=True)
+class StepLaunch:
+    """How `quest_step` launches (one num_warps for every role). score_item: pages of one head a scoring item
+    reads (then counts once toward its head's Top-K), score_block at a time (a multiple of it);
+    block_n / num_stages / programs_per_sm: the attention splits' tile, pipelining and splitting (as
+    `AttentionLaunch`). lean_keys: the widest row tile (keys) the fused Top-K holds (`TopKLaunch.lean` for this
+    launch: a head's Top-K here overlaps other heads' streaming). The defaults are round 16's fastest at
+    Llama-2-7B B=1 32K among 32-128-page score blocks, 2-8 warps, 32/64-token attention tiles, 2/3 stages."""
+
+    score_block: int = 64
+    score_item: int = 64
+    num_warps: int = 4
+    block_n: int = 64
+    num_stages: int = 2
+    programs_per_sm: int = 4
+    lean_keys: int = 8192
+
+    def __post_init__(self):
+        if self.score_item % self.score_block:
+            raise ValueError(f"score_item ({self.score_item}) must be a multiple of score_block ({self.score_block})")
+
+    def topk(self):
+        """The `TopKLaunch` whose lean path the fused Top-K takes."""
+        return replace(_topk.TOPK_LAUNCH, lean=self.lean_keys)
+
+
+STEP_LAUNCH = StepLaunch()
+
+
+def step_workspace(batch: int, kv_heads: int, device) -> torch.Tensor:
+    """The zeroed int32 state `quest_step` needs for rows of `batch x kv_heads` (every launch leaves it zeroed)."""
+    return torch.zeros(3 * batch * kv_heads + 1, dtype=torch.int32, device=device)
+
+
+def fused_step_supported(P: int, group: int, reduce: str, rows=None, launch: StepLaunch = STEP_LAUNCH) -> str | None:
+    """None when `quest_step` takes rows of `P` scored pages (query heads `group` a KV head, `reduce`), else why
+    not (the caller runs the separate kernels and says so)."""
+    if rows is not None:
+        return "beam search's page table (rows=) is read by the separate kernels only"
+    if reduce == "none" and group > 1:
+        return "the GQA union (one score row a query head) runs as separate kernels"
+    if not lean_config(P, 1, launch.topk()):
+        return f"rows of {P} pages are wider than the fused Top-K's tile (StepLaunch.lean_keys {launch.lean_keys})"
+    return None
+
+
+def _check(q, kmin, kmax, k_cache, v_cache, valid, seq_len, page_size, k, reduce, pos, window, scale, chan,
+           softcap, sinks, workspace, launch):
+    B, H, G, D, P = _check_score(q, kmin, kmax, seq_len, page_size, 0, reduce, scale, chan)
+    _check_pos(pos, q.device, window, 0)
+    check_query(q, k_cache.shape[1], k_cache.shape[3], B)
+    if k_cache.shape[:2] != (B, H) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache/v_cache must be [B={B}, H_kv={H}, C, D={D}] of one dtype, got "
+                         f"{k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
+    C = k_cache.shape[2]
+    if C % page_size or kmin.shape[2] * page_size != C or not 1 <= seq_len <= C:
+        raise ValueError(f"the cache's {C} slots must be the bounds' {kmin.shape[2]} pages of {page_size}, and "
+                         f"seq_len {seq_len} in [1, {C}]")
+    if valid.shape != (B, C) or valid.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor, got {valid.dtype} {tuple(valid.shape)}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (pages a row) must be an int >= 1, got {k!r}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
+    if sinks is not None and (sinks.shape != (H * G,) or sinks.dtype != torch.float32 or sinks.device != q.device):
+        raise ValueError(f"sinks must be fp32 [H_q={H * G}] on {q.device}, got {sinks.dtype} {tuple(sinks.shape)}")
+    why = fused_step_supported(P, G, reduce, launch=launch)
+    if why is not None:
+        raise ValueError(f"quest_step cannot run this step: {why}; call score_pages, topk_pages and "
+                         "sparse_decode_attention instead")
+    if workspace is not None and (workspace.dtype != torch.int32 or workspace.numel() < 3 * B * H + 1
+                                  or workspace.device != q.device):
+        raise ValueError(f"workspace must be int32 with >= {3 * B * H + 1} elements on {q.device} "
+                         "(step_workspace(B, H_kv, device))")
+    return B, H, G, D, P
+
+
+def quest_step_ref(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: int, k: int, attn_scale: float,
+                   reduce: str = "none", pos=None, window: int = 0, scale=None, chan=None, softcap: float = 0.0,
+                   sinks=None):
+    """The step `quest_step` fuses, by the references: `score_pages_ref` -> `topk_pages_ref(k)` (rows one a KV head)
+    -> `sparse_decode_attention_ref`. Returns (out `[B, H_q, D]`, ids int32 `[B, H_kv, min(k, P)]`)."""
+    s = score_pages_ref(q, kmin, kmax, seq_len, page_size, 0, reduce, pos=pos, window=window, scale=scale, chan=chan)
+    ids = topk_pages_ref(s, k, 1)
+    out = sparse_decode_attention_ref(q, k_cache, v_cache, ids, valid, seq_len, page_size, attn_scale, 0,
+                                      pos=pos if window else None, window=window, softcap=softcap, sinks=sinks)
+    return out, ids
+
+
+@triton.jit
+def _quest_step_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, ids_ptr, k_ptr, v_ptr, valid_ptr, pos_ptr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, state_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd,
+    stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_vab, stride_vac,
+    stride_ob, stride_oh, stride_od,
+    H_KV, P, NCHUNK, N_SCORE, N_TOTAL, KK, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE, WINDOW,
+    qk_scale, softcap_log2, N_BH,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    TK_BLOCK: tl.constexpr, TAIL: tl.constexpr, RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # The state: the KV heads' counters and flags (3 ints each), then the ticket counter.
+    i_t = tl.atomic_add(state_ptr + 3 * N_BH, 1, sem="relaxed")
+    if i_t == N_TOTAL - 1:  # the last ticket of the launch: the counter goes back to 0 for the next one
+        tl.store(state_ptr + 3 * N_BH, 0)
+    cur = P - 1
+    p_dead = 0
+    window_start = 0
+    if HAS_POS:  # the page of the last token written, and the sliding window's first slot, from the device
+        i_pos = tl.load(pos_ptr).to(tl.int32)
+        cur = (i_pos - 1) // PAGE
+        if HAS_WINDOW:
+            window_start = tl.maximum(i_pos - WINDOW, 0)
+            p_dead = window_start // PAGE
+    _step_item(i_t, q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, ids_ptr, k_ptr, v_ptr, valid_ptr,
+               m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, state_ptr,
+               stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+               stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+               stride_kb, stride_kh, stride_kc, stride_kd, stride_vb, stride_vh, stride_vc, stride_vd,
+               stride_vab, stride_vac, stride_ob, stride_oh, stride_od,
+               H_KV, P, NCHUNK, N_SCORE, KK, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE,
+               qk_scale, softcap_log2, cur, p_dead, window_start,
+               G, G_PAD, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, TK_BLOCK, TAIL, RANK_BITS, ONE_REDUCE,
+               BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, USE_SINKS, BLOCK_S)
+
+
+@triton.jit
+def _step_item(
+    i_t, q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, ids_ptr, k_ptr, v_ptr, valid_ptr,
+    m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, state_ptr,
+    stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+    stride_kb, stride_kh, stride_kc, stride_kd, stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_vab, stride_vac, stride_ob, stride_oh, stride_od,
+    H_KV, P, NCHUNK, N_SCORE, KK, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE,
+    qk_scale, softcap_log2, cur, p_dead, window_start,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
+    TK_BLOCK: tl.constexpr, TAIL: tl.constexpr, RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Work item `i_t` of the step: a score block (then, for the head's last, its Top-K) or an attention split."""
+    if i_t < N_SCORE:
+        i_bh = (i_t // NCHUNK).to(tl.int64)
+        i_b = i_bh // H_KV
+        o_row = tl.zeros([BLOCK_P], dtype=tl.int64) + i_b
+        for i_p0 in range((i_t % NCHUNK) * SCORE_ITEM, (i_t % NCHUNK + 1) * SCORE_ITEM, BLOCK_P):
+            _score_block(q_ptr, kmin_ptr, kmax_ptr, s_ptr, i_b, i_bh % H_KV, i_p0 + tl.arange(0, BLOCK_P), o_row,
+                         stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                         stride_xb, stride_xh, stride_xp, stride_xd, H_KV * P, P, 1,
+                         P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
+                         scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd,
+                         USE_CHAN)
+        # Every thread's score stores are ordered before the count by the barrier and the atomic's release; the
+        # head's last block acquires them and reads the row from L2 (.cg: L1 is not coherent across programs).
+        tl.debug_barrier()
+        if tl.atomic_add(state_ptr + 3 * i_bh, 1, sem="acq_rel") == NCHUNK - 1:
+            tl.store(state_ptr + 3 * i_bh, 0)
+            _lean_topk_row(s_ptr + i_bh * P, ids_ptr + i_bh * K_OUT, 1, 1, P, KK, K_OUT, TK_BLOCK, False,
+                           RANK_BITS, TAIL, ONE_REDUCE, ".cg")
+            tl.debug_barrier()
+            tl.atomic_xchg(state_ptr + 1 + 3 * i_bh, 1, sem="release")
+    else:
+        i_u = i_t - N_SCORE
+        i_bh = (i_u // NUM_SPLITS).to(tl.int64)
+        i_b = i_bh // H_KV
+        i_h = i_bh % H_KV
+        # Wait for the head's page ids (raised by a program with an earlier ticket), then acquire them.
+        p_ready = state_ptr + 1 + 3 * i_bh
+        i_ready = tl.load(p_ready, volatile=True)
+        while i_ready == 0:
+            i_ready = tl.load(p_ready, volatile=True)
+        tl.atomic_add(p_ready, 0, sem="acquire")
+        tl.debug_barrier()
+        _attn_split(q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, i_u % NUM_SPLITS,
+                    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
+                    stride_vb, stride_vh, stride_vc, stride_vd, H_KV * K_OUT, K_OUT, 1, stride_vab, stride_vac,
+                    H_KV, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, window_start, qk_scale, softcap_log2,
+                    valid_ptr, 0, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, False, ".cg")
+        tl.debug_barrier()
+        if tl.atomic_add(state_ptr + 2 + 3 * i_bh, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            # Every split of the head has passed its wait: the head's flag and count go back to 0.
+            tl.store(state_ptr + 2 + 3 * i_bh, 0)
+            tl.store(p_ready, 0)
+            _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_b, i_h, H_KV, stride_ob, stride_oh,
+                         stride_od, NUM_SPLITS, G, D, BLOCK_D, BLOCK_S, USE_SINKS)
+
+
+def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: int, k: int, attn_scale: float,
+               reduce: str = "none", pos=None, window: int = 0, scale=None, chan=None, softcap: float = 0.0,
+               sinks=None, *, workspace=None, launch: StepLaunch = STEP_LAUNCH, ids_out=None):
+    """Triton twin of `quest_step_ref` in one launch (module docstring). Returns (out `[B, H_q, D]` in q's dtype,
+    ids int32 `[B, H_kv, min(k, P)]`: the pages each KV head attended, ascending, -1 padded).
+
+    `workspace`: `step_workspace(B, H_kv, device)`, zeroed and left zeroed (None: a fresh one, one memset launch).
+    Bounds as `score_pages` takes them (float, or int8 codes with `scale` and optionally `chan`); `pos` / `window`
+    as there (the captured step's device position; a sliding window), `softcap` / `sinks` as in
+    `sparse_decode_attention`. Raises ValueError for a step it does not take (`fused_step_supported`).
+    Workspace besides: fp32 scores `[B, H_kv, P]`, ids, and the splits' fp32 partials."""
+    require_triton()
+    B, H, G, D, P = _check(q, kmin, kmax, k_cache, v_cache, valid, seq_len, page_size, k, reduce, pos, window,
+                           scale, chan, softcap, sinks, workspace, launch)
+    state = workspace if workspace is not None else step_workspace(B, H, q.device)
+    K_out = min(k, P)
+    scores = torch.empty(B, H, P, dtype=torch.float32, device=q.device)
+    ids = ids_out if ids_out is not None else torch.empty(B, H, K_out, dtype=torch.int32, device=q.device)
+    if ids.shape != (B, H, K_out) or ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"ids_out must be a contiguous int32 [{B}, {H}, {K_out}], got {ids.dtype} {tuple(ids.shape)}")
+    attn = AttentionLaunch(block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                           programs_per_sm=launch.programs_per_sm)
+    splits, ids_each = _num_splits(q.device, B * H, K_out, page_size, attn)
+    m_part = torch.empty(B * H * G, splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(B * H * G, splits, D, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H * G, D, dtype=q.dtype, device=q.device)
+    nchunk = cdiv(P, launch.score_item)
+    n_score = B * H * nchunk
+    n_total = n_score + B * H * splits
+    tk_block, _, _ = launch_config(P, 1, launch.topk())
+    _, tail = tail_config(P, 1, launch.topk())
+    valid_u8 = as_u8(valid)
+    s_strides = scale.stride() if scale is not None else (0, 0, 0)
+    c_strides = chan.stride() if chan is not None else (0, 0)
+    quest_step.compiled = _quest_step_kernel[(n_total,)](
+        q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores, ids,
+        k_cache, v_cache, valid_u8, pos if pos is not None else state, m_part, l_part, acc_part, out,
+        sinks if sinks is not None else m_part, state,
+        *q.stride(), *kmin.stride(), *kmax.stride(), *s_strides, *c_strides, *k_cache.stride(), *v_cache.stride(),
+        *valid_u8.stride(), *out.stride(),
+        H, P, nchunk, n_score, n_total, min(k, P), K_out, ids_each, splits, seq_len, page_size, window,
+        attn_scale / softcap if softcap else attn_scale * LOG2E, softcap * LOG2E, B * H,
+        G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.score_block,
+        SCORE_ITEM=launch.score_item,
+        REDUCE={"none": 0, "max": 1, "sum": 2}[reduce], USE_SCALE=scale is not None, USE_CHAN=chan is not None,
+        HAS_POS=pos is not None, HAS_WINDOW=window > 0, TK_BLOCK=tk_block, TAIL=tail, RANK_BITS=launch.topk().rank_bits,
+        ONE_REDUCE=not interpreting(), BLOCK_N=launch.block_n,
+        USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
+        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, BLOCK_S=max(2, next_pow2(splits)),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    return out, ids
