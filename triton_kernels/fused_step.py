@@ -53,7 +53,8 @@ class StepLaunch:
     reads (then counts once toward its head's Top-K), score_block at a time (a multiple of it);
     block_n / num_stages / programs_per_sm: the attention splits' tile, pipelining and splitting (as
     `AttentionLaunch`). lean_keys: the widest row tile (keys) the fused Top-K holds (`TopKLaunch.lean` for this
-    launch: a head's Top-K here overlaps other heads' streaming). The defaults are round 16's fastest at
+    launch: a head's Top-K here overlaps other heads' streaming). maxnreg: cap the registers a thread (Triton's
+    launch option; None: the compiler's choice) so that more programs fit an SM. The defaults are round 16's fastest at
     Llama-2-7B B=1 32K among 32-128-page score blocks, 2-8 warps, 32/64-token attention tiles, 2/3 stages."""
 
     score_block: int = 64
@@ -63,6 +64,7 @@ class StepLaunch:
     num_stages: int = 2
     programs_per_sm: int = 4
     lean_keys: int = 8192
+    maxnreg: int | None = None
 
     def __post_init__(self):
         if self.score_item % self.score_block:
@@ -297,5 +299,6 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
         USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
         USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, BLOCK_S=max(2, next_pow2(splits)),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **({"maxnreg": launch.maxnreg} if launch.maxnreg and not interpreting() else {}),
     )
     return out, ids
