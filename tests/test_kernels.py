@@ -309,13 +309,16 @@ def test_topk_tiled_path_matches_reference(B, R, P, k, group, ties, monkeypatch)
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["ties", "negative", "denormal", "inf-beyond-k", "all-equal", "close",
-                                  "ties-in-tail"])
-@pytest.mark.parametrize("B,R,P,k,group,how", [
-    (2, 3, 300, 20, 1, "one"), (1, 4, 257, 33, 4, "split"), (1, 4, 257, 33, 4, "one"), (1, 4, 300, 40, 4, "serial"),
-    (1, 4, 2053, 129, 4, "split"), (1, 2, 2053, 129, 1, "one"), (2, 2, 300, 40, 1, "mask"), (1, 4, 300, 33, 4, "mask"),
-    (1, 2, 300, 40, 1, "rank0"),
-])
+TAIL_KINDS = ["ties", "negative", "denormal", "inf-beyond-k", "all-equal", "close", "ties-in-tail"]
+# Every adversarial kind on the captured decode's rows (2053 pages) and one short row; three kinds on the other paths.
+TAIL_CASES = [(kind, *case) for case in [(2, 3, 300, 20, 1, "one"), (1, 4, 2053, 129, 4, "split"),
+                                         (1, 2, 2053, 129, 1, "one")] for kind in TAIL_KINDS] + \
+    [(kind, *case) for case in [(1, 4, 257, 33, 4, "split"), (1, 4, 257, 33, 4, "one"), (1, 4, 300, 40, 4, "serial"),
+                                (2, 2, 300, 40, 1, "mask"), (1, 4, 300, 33, 4, "mask"), (1, 2, 300, 40, 1, "rank0")]
+     for kind in ("ties-in-tail", "denormal", "inf-beyond-k")]
+
+
+@pytest.mark.parametrize("kind,B,R,P,k,group,how", TAIL_CASES)
 def test_topk_tail_tile_gives_the_one_tiles_ids(kind, B, R, P, k, group, how):
     # TopKLaunch(tail_tile): a row just past a power of two as that tile plus a tail tile, the same ids as the one
     # widened tile (ties to the lowest ids across both tiles), every path: one launch, split union (serial and
