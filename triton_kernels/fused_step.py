@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import topk as _topk
-from ._common import as_u8, cdiv, check_query, interpreting, next_pow2, require_triton, tl, triton
+from ._common import as_u8, cdiv, interpreting, next_pow2, require_triton, tl, triton
 from .score import _check as _check_score
-from .score import _check_pos, _score_block, score_pages_ref
+from .score import _score_block, score_pages_ref
 from .sparse_attention import (
     LOG2E,
     AttentionLaunch,
@@ -41,6 +41,9 @@ from .sparse_attention import (
     _merge_group,
     _num_splits,
     sparse_decode_attention_ref,
+)
+from .sparse_attention import (
+    _check as _check_attention,
 )
 from .topk import _lean_topk_row, launch_config, lean_config, tail_config, topk_pages_ref
 
@@ -97,24 +100,16 @@ def fused_step_supported(P: int, group: int, reduce: str, rows=None, launch: Ste
 
 def _check(q, kmin, kmax, k_cache, v_cache, valid, seq_len, page_size, k, reduce, pos, window, scale, chan,
            softcap, sinks, workspace, launch):
+    """The score launcher's checks, then the attention launcher's (over an empty id list of the result's shape),
+    then what only the fused launch needs."""
     B, H, G, D, P = _check_score(q, kmin, kmax, seq_len, page_size, 0, reduce, scale, chan)
-    _check_pos(pos, q.device, window, 0)
-    check_query(q, k_cache.shape[1], k_cache.shape[3], B)
-    if k_cache.shape[:2] != (B, H) or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"k_cache/v_cache must be [B={B}, H_kv={H}, C, D={D}] of one dtype, got "
-                         f"{k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} {tuple(v_cache.shape)}")
-    C = k_cache.shape[2]
-    if C % page_size or kmin.shape[2] * page_size != C or not 1 <= seq_len <= C:
-        raise ValueError(f"the cache's {C} slots must be the bounds' {kmin.shape[2]} pages of {page_size}, and "
-                         f"seq_len {seq_len} in [1, {C}]")
-    if valid.shape != (B, C) or valid.dtype not in (torch.bool, torch.uint8):
-        raise ValueError(f"valid must be a bool [B={B}, C={C}] tensor, got {valid.dtype} {tuple(valid.shape)}")
+    _check_attention(q, k_cache, v_cache, torch.empty(B, H, 0, dtype=torch.int32, device=q.device), valid, seq_len,
+                     page_size, 0, pos, window, softcap, sinks)
+    if kmin.shape[2] * page_size != k_cache.shape[2]:
+        raise ValueError(f"the cache's {k_cache.shape[2]} slots must be the bounds' {kmin.shape[2]} pages of "
+                         f"{page_size}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k (pages a row) must be an int >= 1, got {k!r}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
-    if sinks is not None and (sinks.shape != (H * G,) or sinks.dtype != torch.float32 or sinks.device != q.device):
-        raise ValueError(f"sinks must be fp32 [H_q={H * G}] on {q.device}, got {sinks.dtype} {tuple(sinks.shape)}")
     why = fused_step_supported(P, G, reduce, launch=launch)
     if why is not None:
         raise ValueError(f"quest_step cannot run this step: {why}; call score_pages, topk_pages and "
@@ -283,6 +278,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
     valid_u8 = as_u8(valid)
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     c_strides = chan.stride() if chan is not None else (0, 0)
+    # The compiled kernel (registers, spills, shared memory) for bench_fused_step.py's report.
     quest_step.compiled = _quest_step_kernel[(n_total,)](
         q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores, ids,
         k_cache, v_cache, valid_u8, pos if pos is not None else state, m_part, l_part, acc_part, out,

@@ -147,10 +147,10 @@ def _load_keys_from(p_rows, o_r, o_p, stride_sr, stride_sp, G, P, CACHE: tl.cons
 
 @triton.jit
 def _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD: tl.constexpr, P, BLOCK_P: tl.constexpr,
-               TAIL: tl.constexpr):
+               TAIL: tl.constexpr, CACHE: tl.constexpr):
     # The [GROUP_PAD, TAIL] keys of the pages from BLOCK_P on (TopKLaunch.tail_tile); TAIL 0: an unused placeholder.
     if TAIL > 0:
-        b_key2 = _load_keys(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL), stride_sr, stride_sp, GROUP, P)
+        b_key2 = _load_keys_from(p_rows, o_r, BLOCK_P + tl.arange(0, TAIL), stride_sr, stride_sp, GROUP, P, CACHE)
     else:
         b_key2 = tl.zeros([GROUP_PAD, 16], dtype=tl.int32)
     return b_key2
@@ -323,10 +323,7 @@ def _lean_keys(p_row, stride_sp, P, BLOCK_P: tl.constexpr, TAIL: tl.constexpr, C
     CACHE: the loads' cache modifier (the fused step reads scores written in the same launch: ".cg")."""
     o_r = tl.arange(0, 1)
     b_key1 = _load_keys_from(p_row, o_r, tl.arange(0, BLOCK_P), 0, stride_sp, 1, P, CACHE)
-    if TAIL > 0:
-        b_key2 = _load_keys_from(p_row, o_r, BLOCK_P + tl.arange(0, TAIL), 0, stride_sp, 1, P, CACHE)
-    else:
-        b_key2 = tl.zeros([1, 16], dtype=tl.int32)
+    b_key2 = _tail_keys(p_row, o_r, 0, stride_sp, 1, 1, P, BLOCK_P, TAIL, CACHE)
     return b_key1, b_key2
 
 
@@ -443,7 +440,7 @@ def _row_thresholds(p_rows, stride_sr, stride_sp, P, KK,
     o_r = tl.arange(0, GROUP_PAD)
     o_n = tl.arange(0, BLOCK_P)
     HAS_TAIL: tl.constexpr = TAIL > 0
-    b_key2 = _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD, P, BLOCK_P, TAIL)
+    b_key2 = _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD, P, BLOCK_P, TAIL, "")
 
     # Phase 1, all rows of the group at once: each row's KK-th largest key T.
     # (a) Only the bits where the row's finite keys differ need searching: start from the common prefix of
@@ -690,7 +687,7 @@ def _topk_union_kernel(
             b_key1 = _load_keys(p_rows, o_r, tl.arange(0, BLOCK_P), stride_sr, stride_sp, GROUP, P)
         else:
             b_key1 = tl.zeros([GROUP_PAD, BLOCK_P], dtype=tl.int32)
-        b_key2 = _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD, P, BLOCK_P, TAIL)
+        b_key2 = _tail_keys(p_rows, o_r, stride_sr, stride_sp, GROUP, GROUP_PAD, P, BLOCK_P, TAIL, "")
         _pick_union(p_rows, out_ptr + i_b * stride_ob + i_g * stride_or, b_key1, i_lo, i_need, stride_sr,
                     stride_sp, stride_ok, P, K_OUT, GROUP, GROUP_PAD, BLOCK_P, SINGLE_TILE, False, b_key2, TAIL)
 
