@@ -18,6 +18,7 @@ from .testing import DEVICE as DEV  # noqa: E402
 from .testing import F16, F32, assert_close, nan_empty  # noqa: E402
 
 SMALL = fs.StepLaunch(score_block=16, score_item=32, block_n=16)  # several items and splits a head at these sizes
+THREE = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3)
 
 CASES = [
     # B, H_q, H_kv, D, S, L, k, dtype, pad, reduce, bounds, device position, window, softcap, sinks
@@ -28,9 +29,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("launch", [SMALL, THREE], ids=["one-launch", "three-launches"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,reduce,bounds,use_pos,window,softcap,sinks", CASES)
 def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, reduce, bounds, use_pos, window,
-                                           softcap, sinks, monkeypatch):
+                                           softcap, sinks, launch, monkeypatch):
     kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L, pad=pad, C=-(-L // S) * S + 3 * S)
     C = kc.shape[2]
     q = (torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(L)) * 2).to(dtype).to(DEV)
@@ -48,10 +50,12 @@ def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, r
     ws = fs.step_workspace(B, Hkv, DEV)
     monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))  # an unwritten output slot fails below
     for _ in range(2):  # the workspace comes back zeroed, so a second launch on it is the same
-        out, ids = fs.quest_step(*args, pos=pos, window=window, **kw, **att, workspace=ws, launch=SMALL)
+        out, ids = fs.quest_step(*args, pos=pos, window=window, **kw, **att, workspace=ws, launch=launch)
         assert torch.equal(ids, ids_ref)
         assert_close(out, out_ref)
         assert (ws == 0).all()
+    # The interpreter has no programmatic dependent launch: the launches ran one after the other, and say so.
+    assert fs.quest_step.overlapped is False
 
 
 def test_fused_step_refuses_what_it_does_not_run():
@@ -66,4 +70,6 @@ def test_fused_step_refuses_what_it_does_not_run():
         fs.quest_step(*args, "max", workspace=torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of score_block"):
         fs.StepLaunch(score_block=16, score_item=40)
+    with pytest.raises(ValueError, match="launches must be"):
+        fs.StepLaunch(launches=2)
     assert fs.fused_step_supported(10, 1, "none", rows=torch.zeros(1, 10, dtype=torch.int32)).startswith("beam")

@@ -120,6 +120,23 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def pdl_available(device: torch.device) -> bool:
+    """Whether a launch on `device` can be programmatically dependent on the one before it (Hopper or newer, a
+    Triton that takes `launch_pdl`; never under the interpreter; QUEST_HF_PDL=0 turns it off)."""
+    if not HAS_TRITON or device.type != "cuda" or interpreting() or os.environ.get("QUEST_HF_PDL", "1") == "0":
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return torch.cuda.get_device_capability(index)[0] >= 9 and "launch_pdl" in fields and hasattr(tl.extra.cuda,
+                                                                                                   "gdc_launch_dependents")
+
+
 @triton.jit
 def due_flag(due_ptr, HAS_DUE: tl.constexpr):
     """Selection reuse's device flag as a kernel reads it (`if due_flag(due_ptr, HAS_DUE) != 0:` around the

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import topk as _topk
-from ._common import as_u8, cdiv, interpreting, next_pow2, require_triton, tl, triton
+from ._common import as_u8, cdiv, interpreting, next_pow2, pdl_available, require_triton, tl, triton
 from .score import _check as _check_score
 from .score import _score_block, score_pages_ref
 from .sparse_attention import (
@@ -58,7 +58,16 @@ class StepLaunch:
     `AttentionLaunch`). lean_keys: the widest row tile (keys) the fused Top-K holds (`TopKLaunch.lean` for this
     launch: a head's Top-K here overlaps other heads' streaming). maxnreg: cap the registers a thread (Triton's
     launch option; None: the compiler's choice) so that more programs fit an SM. The defaults are round 16's fastest at
-    Llama-2-7B B=1 32K among 32-128-page score blocks, 2-8 warps, 32/64-token attention tiles, 2/3 stages."""
+    Llama-2-7B B=1 32K among 32-128-page score blocks, 2-8 warps, 32/64-token attention tiles, 2/3 stages.
+
+    launches: 1, or 3: the score items (one a program, head-major, counted toward their head), the Top-Ks (one a
+    KV head, each waiting on its head's count) and the attention splits and merges (each waiting on its head's
+    flag), each launch with its own registers and shared memory and chained by programmatic dependent launch
+    (Hopper's PDL: a launch's programs start once every program of the launch before has started, so their waits
+    end). Without PDL (pre-Hopper GPUs, the interpreter, QUEST_HF_PDL=0) each launch starts after the one before
+    ends: same results, no overlap (`quest_step.overlapped` says which ran). A two-launch variant (scoring programs
+    that each walk items and run Top-Ks, then the attention) measured slower everywhere on an H200
+    (benchmarks/kernels/round17) and was removed."""
 
     score_block: int = 64
     score_item: int = 64
@@ -68,10 +77,13 @@ class StepLaunch:
     programs_per_sm: int = 4
     lean_keys: int = 8192
     maxnreg: int | None = None
+    launches: int = 1
 
     def __post_init__(self):
         if self.score_item % self.score_block:
             raise ValueError(f"score_item ({self.score_item}) must be a multiple of score_block ({self.score_block})")
+        if self.launches not in (1, 3):
+            raise ValueError(f"launches must be 1 or 3, got {self.launches}")
 
     def topk(self):
         """The `TopKLaunch` whose lean path the fused Top-K takes."""
@@ -159,15 +171,7 @@ def _quest_step_kernel(
     i_t = tl.atomic_add(state_ptr + 3 * N_BH, 1, sem="relaxed")
     if i_t == N_TOTAL - 1:  # the last ticket of the launch: the counter goes back to 0 for the next one
         tl.store(state_ptr + 3 * N_BH, 0)
-    cur = P - 1
-    p_dead = 0
-    window_start = 0
-    if HAS_POS:  # the page of the last token written, and the sliding window's first slot, from the device
-        i_pos = tl.load(pos_ptr).to(tl.int32)
-        cur = (i_pos - 1) // PAGE
-        if HAS_WINDOW:
-            window_start = tl.maximum(i_pos - WINDOW, 0)
-            p_dead = window_start // PAGE
+    cur, p_dead, window_start = _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS, HAS_WINDOW)
     _step_item(i_t, q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, ids_ptr, k_ptr, v_ptr, valid_ptr,
                m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, state_ptr,
                stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
@@ -178,6 +182,91 @@ def _quest_step_kernel(
                qk_scale, softcap_log2, cur, p_dead, window_start,
                G, G_PAD, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, TK_BLOCK, TAIL, RANK_BITS, ONE_REDUCE,
                BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, USE_SINKS, BLOCK_S)
+
+
+@triton.jit
+def _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(the current page, the first live page, the window's first slot): from the device position when HAS_POS
+    (the page of the last token written; the sliding window's start), else (P - 1, 0, 0)."""
+    cur = P - 1
+    p_dead = 0
+    window_start = 0
+    if HAS_POS:
+        i_pos = tl.load(pos_ptr).to(tl.int32)
+        cur = (i_pos - 1) // PAGE
+        if HAS_WINDOW:
+            window_start = tl.maximum(i_pos - WINDOW, 0)
+            p_dead = window_start // PAGE
+    return cur, p_dead, window_start
+
+
+@triton.jit
+def _score_count_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, pos_ptr, state_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd,
+    stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+    H_KV, P, NCHUNK, PAGE, WINDOW,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+):
+    """The three-launch step's first launch (`StepLaunch.launches`): one score item a program (head-major),
+    counted toward its head; no Top-K, so it holds only the scoring's registers."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    cur, p_dead, _ = _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS, HAS_WINDOW)
+    _score_item(tl.program_id(0), q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, s_ptr, state_ptr,
+                stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+                H_KV, P, NCHUNK, 1, 1, cur, p_dead,
+                G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, 16, 0, 16, False, False)
+
+
+@triton.jit
+def _topk_wait_kernel(s_ptr, ids_ptr, state_ptr, P, NCHUNK, KK, K_OUT, TK_BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                      RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr, PDL: tl.constexpr):
+    """The three-launch step's second launch: one KV head a program; waits until all of the head's score items
+    are counted (their programs have all started before this launch's did), puts the count back to 0, then runs
+    the head's Top-K and raises its flag."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    i_bh = tl.program_id(0).to(tl.int64)
+    p_count = state_ptr + 3 * i_bh
+    i_n = tl.load(p_count, volatile=True)
+    while i_n < NCHUNK:
+        i_n = tl.load(p_count, volatile=True)
+    # Every warp leaves the loop before the count goes back to 0 (a warp still spinning would never see it full).
+    tl.debug_barrier()
+    tl.atomic_xchg(p_count, 0, sem="acquire")
+    tl.debug_barrier()
+    _head_topk(s_ptr, ids_ptr, state_ptr, i_bh, P, KK, K_OUT, TK_BLOCK, TAIL, RANK_BITS, ONE_REDUCE)
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, ids_ptr, k_ptr, v_ptr, valid_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, state_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_vab, stride_vac,
+    stride_ob, stride_oh, stride_od,
+    H_KV, P, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE, WINDOW, qk_scale, softcap_log2,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """The three-launch step's last launch: one attention split a program (head-major), each waiting on its head's
+    flag (the first launch's programs have all started before this one's do, so the waits end)."""
+    _, _, window_start = _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS, HAS_WINDOW)
+    _attend_item(tl.program_id(0), q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+                 sinks_ptr, state_ptr, stride_qb, stride_qh, stride_qd,
+                 stride_kb, stride_kh, stride_kc, stride_kd, stride_vb, stride_vh, stride_vc, stride_vd,
+                 stride_vab, stride_vac, stride_ob, stride_oh, stride_od,
+                 H_KV, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE, qk_scale, softcap_log2, window_start,
+                 G, G_PAD, D, BLOCK_D, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, USE_SINKS, BLOCK_S)
 
 
 @triton.jit
@@ -196,51 +285,103 @@ def _step_item(
     BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Work item `i_t` of the step: a score block (then, for the head's last, its Top-K) or an attention split."""
+    """Work item `i_t` of the one-launch step: a score item (`_score_item`) or an attention split (`_attend_item`)."""
     if i_t < N_SCORE:
-        i_bh = (i_t // NCHUNK).to(tl.int64)
-        i_b = i_bh // H_KV
-        o_row = tl.zeros([BLOCK_P], dtype=tl.int64) + i_b
-        for i_p0 in range((i_t % NCHUNK) * SCORE_ITEM, (i_t % NCHUNK + 1) * SCORE_ITEM, BLOCK_P):
-            _score_block(q_ptr, kmin_ptr, kmax_ptr, s_ptr, i_b, i_bh % H_KV, i_p0 + tl.arange(0, BLOCK_P), o_row,
-                         stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
-                         stride_xb, stride_xh, stride_xp, stride_xd, H_KV * P, P, 1,
-                         P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
-                         scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd,
-                         USE_CHAN)
-        # Every thread's score stores are ordered before the count by the barrier and the atomic's release; the
-        # head's last block acquires them and reads the row from L2 (.cg: L1 is not coherent across programs).
-        tl.debug_barrier()
+        _score_item(i_t, q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, ids_ptr, state_ptr,
+                    stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                    stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+                    H_KV, P, NCHUNK, KK, K_OUT, cur, p_dead,
+                    G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, TK_BLOCK, TAIL, RANK_BITS,
+                    ONE_REDUCE)
+    else:
+        _attend_item(i_t - N_SCORE, q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
+                     sinks_ptr, state_ptr, stride_qb, stride_qh, stride_qd,
+                     stride_kb, stride_kh, stride_kc, stride_kd, stride_vb, stride_vh, stride_vc, stride_vd,
+                     stride_vab, stride_vac, stride_ob, stride_oh, stride_od,
+                     H_KV, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE, qk_scale, softcap_log2, window_start,
+                     G, G_PAD, D, BLOCK_D, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, USE_SINKS, BLOCK_S)
+
+
+@triton.jit
+def _score_item(
+    i_t, q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, ids_ptr, state_ptr,
+    stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+    stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+    H_KV, P, NCHUNK, KK, K_OUT, cur, p_dead,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
+    TK_BLOCK: tl.constexpr, TAIL: tl.constexpr, RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr,
+    TOPK: tl.constexpr = True,
+):
+    """Score item `i_t`: `SCORE_ITEM` pages of one KV head (head-major), counted toward the head's Top-K; with TOPK,
+    the head's last item to finish runs the head's Top-K and raises the head's flag (else `_topk_wait_kernel`
+    does, and puts the count back to 0)."""
+    i_bh = (i_t // NCHUNK).to(tl.int64)
+    i_b = i_bh // H_KV
+    o_row = tl.zeros([BLOCK_P], dtype=tl.int64) + i_b
+    for i_p0 in range((i_t % NCHUNK) * SCORE_ITEM, (i_t % NCHUNK + 1) * SCORE_ITEM, BLOCK_P):
+        _score_block(q_ptr, kmin_ptr, kmax_ptr, s_ptr, i_b, i_bh % H_KV, i_p0 + tl.arange(0, BLOCK_P), o_row,
+                     stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                     stride_xb, stride_xh, stride_xp, stride_xd, H_KV * P, P, 1,
+                     P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
+                     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd,
+                     USE_CHAN)
+    # Every thread's score stores are ordered before the count by the barrier and the atomic's release; the
+    # head's last item acquires them and reads the row from L2 (.cg: L1 is not coherent across programs).
+    tl.debug_barrier()
+    if TOPK:
         if tl.atomic_add(state_ptr + 3 * i_bh, 1, sem="acq_rel") == NCHUNK - 1:
             tl.store(state_ptr + 3 * i_bh, 0)
-            _lean_topk_row(s_ptr + i_bh * P, ids_ptr + i_bh * K_OUT, 1, 1, P, KK, K_OUT, TK_BLOCK, False,
-                           RANK_BITS, TAIL, ONE_REDUCE, ".cg")
-            tl.debug_barrier()
-            tl.atomic_xchg(state_ptr + 1 + 3 * i_bh, 1, sem="release")
+            _head_topk(s_ptr, ids_ptr, state_ptr, i_bh, P, KK, K_OUT, TK_BLOCK, TAIL, RANK_BITS, ONE_REDUCE)
     else:
-        i_u = i_t - N_SCORE
-        i_bh = (i_u // NUM_SPLITS).to(tl.int64)
-        i_b = i_bh // H_KV
-        i_h = i_bh % H_KV
-        # Wait for the head's page ids (raised by a program with an earlier ticket), then acquire them.
-        p_ready = state_ptr + 1 + 3 * i_bh
+        tl.atomic_add(state_ptr + 3 * i_bh, 1, sem="release")
+
+
+@triton.jit
+def _head_topk(s_ptr, ids_ptr, state_ptr, i_bh, P, KK, K_OUT, TK_BLOCK: tl.constexpr, TAIL: tl.constexpr,
+               RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr):
+    """KV head `i_bh`'s Top-K over its scores (read from L2: written by other programs), then its flag raised."""
+    _lean_topk_row(s_ptr + i_bh * P, ids_ptr + i_bh * K_OUT, 1, 1, P, KK, K_OUT, TK_BLOCK, False,
+                   RANK_BITS, TAIL, ONE_REDUCE, ".cg")
+    tl.debug_barrier()
+    tl.atomic_xchg(state_ptr + 1 + 3 * i_bh, 1, sem="release")
+
+
+@triton.jit
+def _attend_item(
+    i_u, q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, state_ptr,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd, stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_vab, stride_vac, stride_ob, stride_oh, stride_od,
+    H_KV, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, PAGE, qk_scale, softcap_log2, window_start,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Attention split `i_u` (head-major): waits for its head's flag, attends its share of the head's pages; the
+    head's last split to finish merges the head and puts its flag and count back to 0."""
+    i_bh = (i_u // NUM_SPLITS).to(tl.int64)
+    i_b = i_bh // H_KV
+    i_h = i_bh % H_KV
+    # Wait for the head's page ids (raised by a program that is running or done), then acquire them.
+    p_ready = state_ptr + 1 + 3 * i_bh
+    i_ready = tl.load(p_ready, volatile=True)
+    while i_ready == 0:
         i_ready = tl.load(p_ready, volatile=True)
-        while i_ready == 0:
-            i_ready = tl.load(p_ready, volatile=True)
-        tl.atomic_add(p_ready, 0, sem="acquire")
-        tl.debug_barrier()
-        _attn_split(q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, i_u % NUM_SPLITS,
-                    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
-                    stride_vb, stride_vh, stride_vc, stride_vd, H_KV * K_OUT, K_OUT, 1, stride_vab, stride_vac,
-                    H_KV, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, window_start, qk_scale, softcap_log2,
-                    valid_ptr, 0, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, False, ".cg")
-        tl.debug_barrier()
-        if tl.atomic_add(state_ptr + 2 + 3 * i_bh, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            # Every split of the head has passed its wait: the head's flag and count go back to 0.
-            tl.store(state_ptr + 2 + 3 * i_bh, 0)
-            tl.store(p_ready, 0)
-            _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_b, i_h, H_KV, stride_ob, stride_oh,
-                         stride_od, NUM_SPLITS, G, D, BLOCK_D, BLOCK_S, USE_SINKS)
+    tl.atomic_add(p_ready, 0, sem="acquire")
+    tl.debug_barrier()
+    _attn_split(q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, i_b, i_h, i_u % NUM_SPLITS,
+                stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kc, stride_kd,
+                stride_vb, stride_vh, stride_vc, stride_vd, H_KV * K_OUT, K_OUT, 1, stride_vab, stride_vac,
+                H_KV, K_OUT, IDS_PER_SPLIT, NUM_SPLITS, SEQ_LEN, window_start, qk_scale, softcap_log2,
+                valid_ptr, 0, G, G_PAD, D, BLOCK_D, PAGE, BLOCK_N, USE_FP32_DOT, USE_SOFTCAP, False, ".cg")
+    tl.debug_barrier()
+    if tl.atomic_add(state_ptr + 2 + 3 * i_bh, 1, sem="acq_rel") == NUM_SPLITS - 1:
+        # Every split of the head has passed its wait: the head's flag and count go back to 0.
+        tl.store(state_ptr + 2 + 3 * i_bh, 0)
+        tl.store(p_ready, 0)
+        _merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, i_b, i_h, H_KV, stride_ob, stride_oh,
+                     stride_od, NUM_SPLITS, G, D, BLOCK_D, BLOCK_S, USE_SINKS)
 
 
 def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: int, k: int, attn_scale: float,
@@ -278,6 +419,13 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
     valid_u8 = as_u8(valid)
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     c_strides = chan.stride() if chan is not None else (0, 0)
+    if launch.launches == 3:
+        _three_launches(q, kmin, kmax, scale, chan, scores, ids, k_cache, v_cache, valid_u8, pos, m_part, l_part,
+                        acc_part, out, sinks, state, s_strides, c_strides, H, G, D, P, nchunk, n_score, k, K_out,
+                        ids_each, splits, seq_len, page_size, window, attn_scale, softcap, reduce, tk_block, tail,
+                        launch)
+        return out, ids
+    quest_step.overlapped = False
     # The compiled kernel (registers, spills, shared memory) for bench_fused_step.py's report.
     quest_step.compiled = _quest_step_kernel[(n_total,)](
         q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores, ids,
@@ -298,3 +446,37 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
         **({"maxnreg": launch.maxnreg} if launch.maxnreg and not interpreting() else {}),
     )
     return out, ids
+
+
+def _three_launches(q, kmin, kmax, scale, chan, scores, ids, k_cache, v_cache, valid_u8, pos, m_part, l_part,
+                    acc_part, out, sinks, state, s_strides, c_strides, H, G, D, P, nchunk, n_score, k, K_out, ids_each,
+                    splits, seq_len, page_size, window, attn_scale, softcap, reduce, tk_block, tail, launch):
+    """`StepLaunch.launches == 3` (see there); `quest_step.compiled` is the three compiled kernels."""
+    B = q.shape[0]
+    pdl = pdl_available(q.device)
+    quest_step.overlapped = pdl
+    common = dict(G=G, D=D, BLOCK_D=max(16, next_pow2(D)), HAS_POS=pos is not None, HAS_WINDOW=window > 0)
+    pos_arg = pos if pos is not None else state
+    score_args = (q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores)
+    score_meta = dict(BLOCK_P=launch.score_block, SCORE_ITEM=launch.score_item,
+                      REDUCE={"none": 0, "max": 1, "sum": 2}[reduce], USE_SCALE=scale is not None,
+                      USE_CHAN=chan is not None, PDL=pdl, **common, num_warps=launch.num_warps)
+    topk_meta = dict(TK_BLOCK=tk_block, TAIL=tail, RANK_BITS=launch.topk().rank_bits, ONE_REDUCE=not interpreting(),
+                     PDL=pdl)
+    strides = (*q.stride(), *kmin.stride(), *kmax.stride(), *s_strides, *c_strides)
+    first = (_score_count_kernel[(n_score,)](*score_args, pos_arg, state, *strides, H, P, nchunk, page_size, window,
+                                             **score_meta),
+             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, min(k, P), K_out, **topk_meta,
+                                         num_warps=launch.num_warps, **({"launch_pdl": True} if pdl else {})))
+    second = _attend_kernel[(B * H * splits,)](
+        q, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out,
+        sinks if sinks is not None else m_part, state,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *valid_u8.stride(), *out.stride(),
+        H, P, K_out, ids_each, splits, seq_len, page_size, window,
+        attn_scale / softcap if softcap else attn_scale * LOG2E, softcap * LOG2E,
+        G_PAD=max(16, next_pow2(G)), BLOCK_N=launch.block_n,
+        USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
+        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, BLOCK_S=max(2, next_pow2(splits)), **common,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if pdl else {}),
+    )
+    quest_step.compiled = (*first, second)

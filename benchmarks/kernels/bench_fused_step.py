@@ -71,6 +71,11 @@ class Fused:
         return fs.quest_step(*self.args, **self.kw, workspace=self.ws, launch=self.launch)
 
 
+def one(vals):
+    """A value per compiled kernel: the value itself for one kernel."""
+    return vals[0] if len(vals) == 1 else vals
+
+
 def check(step, fused):
     out_ref = step.full()
     ids_ref = step.topk()
@@ -116,9 +121,12 @@ def main(argv=None):
                 continue
             fused = [Fused(s, launch) for s in steps]
             ok = check(steps[0], fused[0])
-            c = fs.quest_step.compiled
-            ok.update(n_regs=getattr(c, "n_regs", None), n_spills=getattr(c, "n_spills", None),
-                      shared=getattr(getattr(c, "metadata", None), "shared", None))
+            c = fs.quest_step.compiled  # the pipelined step's are a tuple (one a launch): one value each
+            cs = c if isinstance(c, tuple) else (c,)
+            ok.update(n_regs=one([getattr(x, "n_regs", None) for x in cs]),
+                      n_spills=one([getattr(x, "n_spills", None) for x in cs]),
+                      shared=one([getattr(getattr(x, "metadata", None), "shared", None) for x in cs]),
+                      overlapped=fs.quest_step.overlapped)
             t = time_graph_chain(fused, bk.CHAIN)
             ok_after = bool(all((f.ws == 0).all().item() for f in fused))
             kern = kernel_durations(rotating(fused))
@@ -127,7 +135,7 @@ def main(argv=None):
             row["fused"].append(r)
             print(f"  [{text or 'default'}] {t:.1f} us ({t_sdpa / t:.2f}x SDPA, {r['frac_of_limit']:.0%} of bytes) "
                   f"ids_equal={ok['ids_equal']} err={ok['max_abs_err']:.2e} ws0={ok['workspace_zero']}/{ok_after} "
-                  f"regs={ok['n_regs']} spills={ok['n_spills']} smem={ok['shared']} "
+                  f"regs={ok['n_regs']} spills={ok['n_spills']} smem={ok['shared']} overlapped={ok['overlapped']} "
                   f"kernels={ {k[:40]: round(v, 1) for k, v in kern.items()} }", flush=True)
             del fused
         results["rows"].append(row)

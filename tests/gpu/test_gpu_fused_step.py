@@ -44,8 +44,14 @@ CASES = [
 ]
 
 
+LAUNCHES = [fs.STEP_LAUNCH, fs.StepLaunch(launches=3)]
+LAUNCH_IDS = ["one-launch", "three-launches"]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 @pytest.mark.parametrize("B,Hq,Hkv,L,extra,reduce,bounds,window,softcap,sinks,k", CASES)
-def test_fused_step_equals_the_separate_kernels(B, Hq, Hkv, L, extra, reduce, bounds, window, softcap, sinks, k):
+def test_fused_step_equals_the_separate_kernels(B, Hq, Hkv, L, extra, reduce, bounds, window, softcap, sinks, k,
+                                                launch):
     D = 128
     kc, vc, kmin, kmax, valid = layer(B, Hkv, L, D, extra, seed=L + Hkv)
     C = kc.shape[2]
@@ -65,7 +71,9 @@ def test_fused_step_equals_the_separate_kernels(B, Hq, Hkv, L, extra, reduce, bo
                                          window=window, **att)
     ws = fs.step_workspace(B, Hkv, DEV)
     args = (q, lo, hi, kc, vc, valid, C, S, k, D ** -0.5, reduce)
-    out, ids = fs.quest_step(*args, pos=pos, window=window, **kw, **att, workspace=ws)
+    out, ids = fs.quest_step(*args, pos=pos, window=window, **kw, **att, workspace=ws, launch=launch)
+    # On Hopper the launches after the first overlap the one before (programmatic dependent launch).
+    assert fs.quest_step.overlapped is (launch.launches > 1 and torch.cuda.get_device_capability()[0] >= 9)
     assert torch.equal(ids, ids_sep)
     torch.testing.assert_close(out, out_sep, atol=2e-3, rtol=2e-3)
     ref = tk.sparse_decode_attention_ref(q, kc, vc, ids_sep, valid, C, S, D ** -0.5, 0, pos=pos if window else None,
@@ -76,7 +84,8 @@ def test_fused_step_equals_the_separate_kernels(B, Hq, Hkv, L, extra, reduce, bo
     ids_g = torch.full_like(ids, -7)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out_g, _ = fs.quest_step(*args, pos=pos, window=window, **kw, **att, workspace=ws, ids_out=ids_g)
+        out_g, _ = fs.quest_step(*args, pos=pos, window=window, **kw, **att, workspace=ws, ids_out=ids_g,
+                                 launch=launch)
     for _ in range(5):
         ids_g.fill_(-7)
         graph.replay()
@@ -85,7 +94,8 @@ def test_fused_step_equals_the_separate_kernels(B, Hq, Hkv, L, extra, reduce, bo
         torch.testing.assert_close(out_g, out_sep, atol=2e-3, rtol=2e-3)
 
 
-def test_fused_step_graph_chain_of_layers_on_one_workspace():
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
+def test_fused_step_graph_chain_of_layers_on_one_workspace(launch):
     # A captured decode's layers run one after another on one workspace: 12 steps back to back in one graph,
     # each checked against its own separate-kernel step.
     B, H, L, D, k = 1, 32, 16384, 128, 129
@@ -103,7 +113,7 @@ def test_fused_step_graph_chain_of_layers_on_one_workspace():
         for i in range(12):
             kc, vc, kmin, kmax, valid = layers[i % 3]
             outs.append(fs.quest_step(qs[i % 3], kmin, kmax, kc, vc, valid, kc.shape[2], S, k, D ** -0.5, "none",
-                                      pos=pos, workspace=ws)[0])
+                                      pos=pos, workspace=ws, launch=launch)[0])
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
