@@ -1,12 +1,17 @@
-"""A decode layer's whole Quest step in one launch: page scores, Top-K, attention over the chosen pages, merge.
+"""A decode layer's whole Quest step in one launch (or three chained ones): page scores, Top-K, attention, merge.
 
-Experimental: `patch_model` does not use it. On an H200 (benchmarks/kernels/round16) it gives the separate kernels'
-ids exactly and measured 32.3 us against their 33.9 at Llama-2-7B B=1 32K (chained), but slower at 128K (73.8 vs
-65.6), B=8 (151 vs 146) and Llama-3-8B shared scores (24.9 vs 20.5): one kernel holds the registers and shared
-memory of its largest role (the Top-K tile, the attention tiles), so the scoring runs at a quarter of its own
-kernel's occupancy, which costs more than the overlap below saves. A persistent variant (programs all resident,
-each walking its items) was slower still. Kept, with its tests, as the base for a design that splits the roles'
-resources (warp specialization).
+Experimental: `patch_model` does not use it. On an H200 it gives the separate kernels' ids exactly.
+- One launch (benchmarks/kernels/round16): 32.3 us against the separate kernels' 33.9 at Llama-2-7B B=1 32K
+  (chained), but slower at 128K (73.8 vs 65.6), B=8 (151 vs 146) and Llama-3-8B shared scores (24.9 vs 20.5): one
+  kernel holds the registers and shared memory of its largest role (the Top-K tile, the attention tiles), so the
+  scoring runs at a quarter of its own kernel's occupancy, which costs more than the overlap below saves. A
+  persistent variant (programs all resident, each walking its items) was slower still.
+- Three launches (`StepLaunch.launches=3`, benchmarks/kernels/round17): each role in its own kernel with its own
+  registers, chained by programmatic dependent launch and the same per-head counts and flags. 7B B=1 32K 32.5 us
+  (separate 34.5, same call), `int8_channel` bounds 29.2 (separate 32.0: the fastest step measured there), 128K with
+  8 warps 67.0 (67.1), Llama-3-8B shared scores 23.1 (20.3). Every KV head's scores finish at about the same time
+  (the scoring grid runs in about one wave), so the Top-Ks do not overlap other heads' streaming; what it saves is
+  the launch gaps and the merge launch.
 
 The separate kernels (`score_pages`, `topk_pages`, `sparse_decode_attention`) run one after another: each waits
 for the last program of the one before, and the Top-K (a few microseconds of one program a row's dependent
