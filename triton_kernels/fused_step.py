@@ -422,66 +422,44 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
     tk_block, _, _ = launch_config(P, 1, launch.topk())
     _, tail = tail_config(P, 1, launch.topk())
     valid_u8 = as_u8(valid)
-    s_strides = scale.stride() if scale is not None else (0, 0, 0)
-    c_strides = chan.stride() if chan is not None else (0, 0)
+    # The kernels' arguments in groups, so that each launch takes the groups its roles read: pointers, strides, the
+    # scoring's / Top-K's / attention's constexprs. Unused pointers get a tensor the kernel never reads.
+    s_ptrs = (q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores)
+    s_strides = (*q.stride(), *kmin.stride(), *kmax.stride(), *(scale.stride() if scale is not None else (0, 0, 0)),
+                 *(chan.stride() if chan is not None else (0, 0)))
+    a_strides = (*k_cache.stride(), *v_cache.stride(), *valid_u8.stride(), *out.stride())
+    pos_arg = pos if pos is not None else state
+    sinks_arg = sinks if sinks is not None else m_part
+    scales = (attn_scale / softcap if softcap else attn_scale * LOG2E, softcap * LOG2E)
+    both = dict(G=G, D=D, BLOCK_D=max(16, next_pow2(D)), HAS_POS=pos is not None, HAS_WINDOW=window > 0)
+    s_meta = dict(BLOCK_P=launch.score_block, SCORE_ITEM=launch.score_item, REDUCE={"none": 0, "max": 1, "sum": 2}[reduce],
+                  USE_SCALE=scale is not None, USE_CHAN=chan is not None)
+    t_meta = dict(TK_BLOCK=tk_block, TAIL=tail, RANK_BITS=launch.topk().rank_bits, ONE_REDUCE=not interpreting())
+    a_meta = dict(G_PAD=max(16, next_pow2(G)), BLOCK_N=launch.block_n,
+                  USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
+                  USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, BLOCK_S=max(2, next_pow2(splits)))
     if launch.launches == 3:
-        _three_launches(q, kmin, kmax, scale, chan, scores, ids, k_cache, v_cache, valid_u8, pos, m_part, l_part,
-                        acc_part, out, sinks, state, s_strides, c_strides, H, G, D, P, nchunk, n_score, k, K_out,
-                        ids_each, splits, seq_len, page_size, window, attn_scale, softcap, reduce, tk_block, tail,
-                        launch)
+        # `quest_step.compiled`: the three compiled kernels, for bench_fused_step.py's report.
+        pdl = quest_step.overlapped = pdl_available(q.device)
+        after = {"launch_pdl": True} if pdl else {}
+        quest_step.compiled = (
+            _score_count_kernel[(n_score,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, page_size, window,
+                                            **both, **s_meta, PDL=pdl, num_warps=launch.num_warps),
+            _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
+                                        num_warps=launch.num_warps, **after),
+            _attend_kernel[(B * H * splits,)](
+                q, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out, sinks_arg, state,
+                *q.stride(), *a_strides, H, P, K_out, ids_each, splits, seq_len, page_size, window, *scales,
+                **both, **a_meta, num_warps=launch.num_warps, num_stages=launch.num_stages, **after),
+        )
         return out, ids
     quest_step.overlapped = False
     # The compiled kernel (registers, spills, shared memory) for bench_fused_step.py's report.
     quest_step.compiled = _quest_step_kernel[(n_total,)](
-        q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores, ids,
-        k_cache, v_cache, valid_u8, pos if pos is not None else state, m_part, l_part, acc_part, out,
-        sinks if sinks is not None else m_part, state,
-        *q.stride(), *kmin.stride(), *kmax.stride(), *s_strides, *c_strides, *k_cache.stride(), *v_cache.stride(),
-        *valid_u8.stride(), *out.stride(),
-        H, P, nchunk, n_score, n_total, min(k, P), K_out, ids_each, splits, seq_len, page_size, window,
-        attn_scale / softcap if softcap else attn_scale * LOG2E, softcap * LOG2E, B * H,
-        G=G, G_PAD=max(16, next_pow2(G)), D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.score_block,
-        SCORE_ITEM=launch.score_item,
-        REDUCE={"none": 0, "max": 1, "sum": 2}[reduce], USE_SCALE=scale is not None, USE_CHAN=chan is not None,
-        HAS_POS=pos is not None, HAS_WINDOW=window > 0, TK_BLOCK=tk_block, TAIL=tail, RANK_BITS=launch.topk().rank_bits,
-        ONE_REDUCE=not interpreting(), BLOCK_N=launch.block_n,
-        USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
-        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, BLOCK_S=max(2, next_pow2(splits)),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        *s_ptrs, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out, sinks_arg, state,
+        *s_strides, *a_strides,
+        H, P, nchunk, n_score, n_total, K_out, K_out, ids_each, splits, seq_len, page_size, window, *scales, B * H,
+        **both, **s_meta, **t_meta, **a_meta, num_warps=launch.num_warps, num_stages=launch.num_stages,
         **({"maxnreg": launch.maxnreg} if launch.maxnreg and not interpreting() else {}),
     )
     return out, ids
-
-
-def _three_launches(q, kmin, kmax, scale, chan, scores, ids, k_cache, v_cache, valid_u8, pos, m_part, l_part,
-                    acc_part, out, sinks, state, s_strides, c_strides, H, G, D, P, nchunk, n_score, k, K_out, ids_each,
-                    splits, seq_len, page_size, window, attn_scale, softcap, reduce, tk_block, tail, launch):
-    """`StepLaunch.launches == 3` (see there); `quest_step.compiled` is the three compiled kernels."""
-    B = q.shape[0]
-    pdl = pdl_available(q.device)
-    quest_step.overlapped = pdl
-    common = dict(G=G, D=D, BLOCK_D=max(16, next_pow2(D)), HAS_POS=pos is not None, HAS_WINDOW=window > 0)
-    pos_arg = pos if pos is not None else state
-    score_args = (q, kmin, kmax, scale if scale is not None else scores, chan if chan is not None else scores, scores)
-    score_meta = dict(BLOCK_P=launch.score_block, SCORE_ITEM=launch.score_item,
-                      REDUCE={"none": 0, "max": 1, "sum": 2}[reduce], USE_SCALE=scale is not None,
-                      USE_CHAN=chan is not None, PDL=pdl, **common, num_warps=launch.num_warps)
-    topk_meta = dict(TK_BLOCK=tk_block, TAIL=tail, RANK_BITS=launch.topk().rank_bits, ONE_REDUCE=not interpreting(),
-                     PDL=pdl)
-    strides = (*q.stride(), *kmin.stride(), *kmax.stride(), *s_strides, *c_strides)
-    first = (_score_count_kernel[(n_score,)](*score_args, pos_arg, state, *strides, H, P, nchunk, page_size, window,
-                                             **score_meta),
-             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, min(k, P), K_out, **topk_meta,
-                                         num_warps=launch.num_warps, **({"launch_pdl": True} if pdl else {})))
-    second = _attend_kernel[(B * H * splits,)](
-        q, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out,
-        sinks if sinks is not None else m_part, state,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *valid_u8.stride(), *out.stride(),
-        H, P, K_out, ids_each, splits, seq_len, page_size, window,
-        attn_scale / softcap if softcap else attn_scale * LOG2E, softcap * LOG2E,
-        G_PAD=max(16, next_pow2(G)), BLOCK_N=launch.block_n,
-        USE_FP32_DOT=k_cache.dtype == torch.float32 or (interpreting() and k_cache.dtype == torch.bfloat16),
-        USE_SOFTCAP=softcap > 0, USE_SINKS=sinks is not None, BLOCK_S=max(2, next_pow2(splits)), **common,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if pdl else {}),
-    )
-    quest_step.compiled = (*first, second)
