@@ -174,6 +174,7 @@ class QuestLayer(CacheLayerMixin):
         self.keys = self.values = None
         self._shape = (B, H, D, value_states.shape[-1])
         self.pos = torch.zeros((), dtype=torch.long, device=self.device)
+        self.ticket = tk.append_ticket(self.device)  # the decode append's own count (it advances pos in its launch)
         self.is_initialized = True
         need = max(T, self.reserved or 0)
         self._allocate(need if self.reserved and self.reserved >= T else need + self._growth(need))
@@ -279,9 +280,9 @@ class QuestLayer(CacheLayerMixin):
         only handed to the selector, which must not use it for one token."""
         valid_new = self._step.get(1, self.device)
         bounds8 = self._bounds8_args(key_states, valid_new)
+        # The same launch advances the device position (one kernel a layer fewer in a captured step).
         self.ops.append_token_at(self.keys, self.values, self.kmin, self.kmax, self.kernel_valid(),
-                                 key_states, value_states, valid_new, self.pos, **bounds8)
-        self.pos += 1
+                                 key_states, value_states, valid_new, self.pos, **bounds8, ticket=self.ticket)
         self.selector.on_append(self, key_states, start, valid_new)
 
     def _bounds8_args(self, key_states: torch.Tensor, valid_new) -> dict:

@@ -19,6 +19,8 @@ from .testing import F16, F32, assert_close, nan_empty  # noqa: E402
 
 SMALL = fs.StepLaunch(score_block=16, score_item=32, block_n=16)  # several items and splits a head at these sizes
 THREE = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3)
+# A resident scoring grid: the interpreter counts 4 SMs, so 4 programs each walk several items of several heads.
+RESIDENT = fs.StepLaunch(score_block=16, score_item=16, block_n=16, launches=3, score_programs=1)
 
 CASES = [
     # B, H_q, H_kv, D, S, L, k, dtype, pad, reduce, bounds, device position, window, softcap, sinks
@@ -29,7 +31,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("launch", [SMALL, THREE], ids=["one-launch", "three-launches"])
+@pytest.mark.parametrize("launch", [SMALL, THREE, RESIDENT], ids=["one-launch", "three-launches", "resident-scoring"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,reduce,bounds,use_pos,window,softcap,sinks", CASES)
 def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, reduce, bounds, use_pos, window,
                                            softcap, sinks, launch, monkeypatch):
@@ -72,4 +74,6 @@ def test_fused_step_refuses_what_it_does_not_run():
         fs.StepLaunch(score_block=16, score_item=40)
     with pytest.raises(ValueError, match="launches must be"):
         fs.StepLaunch(launches=2)
+    with pytest.raises(ValueError, match="score_programs"):
+        fs.StepLaunch(score_programs=2)  # the resident scoring grid is the three-launch step's
     assert fs.fused_step_supported(10, 1, "none", rows=torch.zeros(1, 10, dtype=torch.int32)).startswith("beam")

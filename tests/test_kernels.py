@@ -122,6 +122,30 @@ def test_append_token_at_device_position_matches_append_kv(dtype):
         tk.append_token_at(*mine, k1.expand(B, H, 2, D), v1.expand(B, H, 2, D), None, pos)
     with pytest.raises(ValueError, match="pos must be"):
         tk.append_token_at(*mine, k1, v1, None, pos.float())
+    with pytest.raises(ValueError, match="ticket must be"):
+        tk.append_token_at(*mine, k1, v1, None, pos, ticket=torch.zeros(1, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.parametrize("B,H", [(3, 2), (1, 1)])
+def test_append_token_at_with_a_ticket_advances_the_position_in_its_launch(B, H):
+    # The captured decode's append advances the device position itself (one kernel a layer fewer): the same writes
+    # as the caller's `pos += 1` after it, the position one further after each launch, the ticket back to 0.
+    D, S, T0 = 32, 8, 5
+    g = torch.Generator().manual_seed(11)
+    plain = filled_layer(B, H, D, S, T0, F16, seed=5, C=40)
+    ticked, ticked_ref = [t.clone() for t in plain], [t.clone() for t in plain]
+    pos, pos_t, pos_r = (torch.tensor(T0, device=DEV) for _ in range(3))
+    ticket, ticket_r = tk.append_ticket(DEV), tk.append_ticket(DEV)
+    for t in range(T0, 20):
+        k1 = torch.randn(B, H, 1, D, generator=g).to(F16).to(DEV)
+        v1 = torch.randn(B, H, 1, D, generator=g).to(F16).to(DEV)
+        tk.append_token_at(*plain, k1, v1, None, pos)
+        pos += 1
+        tk.append_token_at(*ticked, k1, v1, None, pos_t, ticket=ticket)
+        tk.append_token_at_ref(*ticked_ref, k1, v1, None, pos_r, ticket=ticket_r)
+        assert int(pos_t) == int(pos_r) == t + 1 and int(ticket) == 0 and int(ticket_r) == 0
+    for a, b, c in zip(plain, ticked, ticked_ref):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 # ------------------------------------------------------------------------------------------------ score

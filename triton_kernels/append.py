@@ -7,7 +7,7 @@ import torch
 from ._common import as_u8, check_cache, next_pow2, require_triton, tl, triton
 from .bounds8 import check_chan, quantize_bounds_at_ref, quantize_bounds_ref, quantize_tile, quantize_tile_chan
 
-__all__ = ["append_kv", "append_kv_ref", "append_token_at", "append_token_at_ref"]
+__all__ = ["append_kv", "append_kv_ref", "append_ticket", "append_token_at", "append_token_at_ref"]
 
 
 def _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start):
@@ -78,11 +78,19 @@ def _append_kv_kernel(
     H_KV, START, T,
     lo8_ptr, hi8_ptr, sc8_ptr, stride_lb, stride_lh, stride_lp, stride_ld, stride_hb, stride_hh, stride_hp, stride_hd,
     stride_sb, stride_sh, stride_sp, chan_ptr, stride_ch, stride_cd,
+    ticket_ptr, N_PROGRAMS,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
-    START_ON_DEVICE: tl.constexpr, USE_BOUNDS8: tl.constexpr, USE_CHAN: tl.constexpr,
+    START_ON_DEVICE: tl.constexpr, USE_BOUNDS8: tl.constexpr, USE_CHAN: tl.constexpr, ADVANCE: tl.constexpr,
 ):
     if START_ON_DEVICE:  # a captured decode step: the write position is device data (one token, one page)
         START = tl.load(start_ptr)
+        if ADVANCE:
+            # The position moves on by one in this launch (not in a launch of its own): the last program to take a
+            # ticket writes it, after every program has read it (each read is ordered before its ticket by the
+            # atomic's release), and puts the ticket back to 0 for the next launch.
+            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == N_PROGRAMS - 1:
+                tl.store(ticket_ptr, 0)
+                tl.store(start_ptr, START + 1)
     i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
     i_b = i_bh // H_KV
     i_h = i_bh % H_KV
@@ -152,7 +160,8 @@ def append_kv(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, star
     _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, None, pages, bounds8)
 
 
-def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, start_dev, pages, bounds8=None):
+def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start, start_dev, pages, bounds8=None,
+            ticket=None):
     B, H, _, D = k_cache.shape
     valid_u8 = as_u8(valid)
     vnew = valid_u8 if valid_new is None else as_u8(valid_new)  # unused when None
@@ -165,25 +174,38 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
         *k_new.stride(), *v_new.stride(), vnew.stride(0), vnew.stride(1),
         H, start, k_new.shape[2], lo8, hi8, sc8, *s8,
         chan if chan is not None else valid_u8, *(chan.stride() if chan is not None else (0, 0)),
+        ticket if ticket is not None else valid_u8, B * H * pages,
         PAGE=k_cache.shape[2] // kmin.shape[2], D=D, BLOCK_D=max(16, next_pow2(D)),
         USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None, USE_BOUNDS8=bounds8 is not None,
-        USE_CHAN=chan is not None, num_warps=4,
+        USE_CHAN=chan is not None, ADVANCE=ticket is not None, num_warps=4,
     )
 
 
-def _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos):
+def _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, ticket=None):
     B, H, C, D, T = _check(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0)
     if T != 1:
         raise ValueError(f"append_token_at writes one token a sequence, got {T}; use append_kv for more")
     if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64) or pos.device != k_cache.device:
         raise ValueError(f"pos must be one int32/int64 element on {k_cache.device}, got {pos.dtype} "
                          f"{tuple(pos.shape)} on {pos.device}")
+    if ticket is not None and (ticket.numel() != 1 or ticket.dtype != torch.int32 or ticket.device != k_cache.device):
+        raise ValueError(f"ticket must be one zeroed int32 element on {k_cache.device} (append_ticket(device)), got "
+                         f"{ticket.dtype} {tuple(ticket.shape)} on {ticket.device}")
 
 
-def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None) -> None:
+def append_ticket(device) -> torch.Tensor:
+    """The zeroed int32 that `append_token_at(ticket=)` counts its programs on (each launch leaves it zeroed): one
+    per cache layer, so that no two launches in flight share it."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None,
+                        ticket=None) -> None:
     """`append_kv_ref` of one token at the slot held by the device scalar `pos` (no host sync; the caller
-    keeps `pos` inside the capacity and advances it). Index ops only, so a CUDA graph can capture it."""
-    _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
+    keeps `pos` inside the capacity). Index ops only, so a CUDA graph can capture it. With `ticket`
+    (`append_ticket`) `pos` also moves on by one, in place (the kernel does it in its own launch); without it the
+    caller advances `pos`."""
+    _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, ticket)
     valid_new = valid_new.bool() if valid_new is not None else None
     S = k_cache.shape[2] // kmin.shape[2]
     idx = pos.view(1).long()
@@ -206,10 +228,14 @@ def append_token_at_ref(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid
     if bounds8 is not None:  # the page holding slot pos (bounds8's _at takes the position after the write)
         bounds8, chan = _split_bounds8(bounds8, kmin.shape[1], kmin.shape[3], kmin.device)
         quantize_bounds_at_ref(kmin, kmax, *bounds8, pos + 1, S, chan=chan)
+    if ticket is not None:
+        pos += 1
 
 
-def append_token_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None) -> None:
-    """Triton twin of `append_token_at_ref`: one launch, the position read on the device (the 8-bit bounds too)."""
+def append_token_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, bounds8=None,
+                    ticket=None) -> None:
+    """Triton twin of `append_token_at_ref`: one launch, the position read on the device (the 8-bit bounds too);
+    with `ticket` the same launch advances `pos` (a captured decode step: one kernel a layer fewer)."""
     require_triton()
-    _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos)
-    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0, pos, 1, bounds8)
+    _check_at(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, pos, ticket)
+    _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, 0, pos, 1, bounds8, ticket)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import topk as _topk
-from ._common import as_u8, cdiv, interpreting, next_pow2, pdl_available, require_triton, tl, triton
+from ._common import as_u8, cdiv, interpreting, next_pow2, num_sms, pdl_available, require_triton, tl, triton
 from .score import _check as _check_score
 from .score import _score_block, score_pages_ref
 from .sparse_attention import (
@@ -72,7 +72,11 @@ class StepLaunch:
     end). Without PDL (pre-Hopper GPUs, the interpreter, QUEST_HF_PDL=0) each launch starts after the one before
     ends: same results, no overlap (`quest_step.overlapped` says which ran). A two-launch variant (scoring programs
     that each walk items and run Top-Ks, then the attention) measured slower everywhere on an H200
-    (benchmarks/kernels/round17) and was removed."""
+    (benchmarks/kernels/round17) and was removed.
+
+    score_programs (three launches only): 0, one score item a program (every head's scores finish in the same
+    wave); n > 0, a resident grid of n programs an SM, each walking items head-major, so that heads finish in order
+    and the first heads' Top-Ks and attention overlap the later heads' scoring."""
 
     score_block: int = 64
     score_item: int = 64
@@ -83,12 +87,16 @@ class StepLaunch:
     lean_keys: int = 8192
     maxnreg: int | None = None
     launches: int = 1
+    score_programs: int = 0
 
     def __post_init__(self):
         if self.score_item % self.score_block:
             raise ValueError(f"score_item ({self.score_item}) must be a multiple of score_block ({self.score_block})")
         if self.launches not in (1, 3):
             raise ValueError(f"launches must be 1 or 3, got {self.launches}")
+        if self.score_programs < 0 or (self.score_programs and self.launches != 3):
+            raise ValueError(f"score_programs ({self.score_programs}) must be 0, or > 0 with launches=3 (the "
+                             "resident scoring grid is the three-launch step's first launch)")
 
     def topk(self):
         """The `TopKLaunch` whose lean path the fused Top-K takes."""
@@ -212,21 +220,25 @@ def _score_count_kernel(
     stride_nb, stride_nh, stride_np, stride_nd,
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
-    H_KV, P, NCHUNK, PAGE, WINDOW,
+    H_KV, P, NCHUNK, N_SCORE, PAGE, WINDOW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The three-launch step's first launch (`StepLaunch.launches`): one score item a program (head-major),
-    counted toward its head; no Top-K, so it holds only the scoring's registers."""
+    """The three-launch step's first launch (`StepLaunch.launches`): score items, head-major, each counted toward
+    its head; no Top-K, so it holds only the scoring's registers. A program takes items `pid, pid + grid, ...`:
+    with one item a program (the default grid) every head finishes in the same wave; with a resident grid
+    (`StepLaunch.score_programs`) the heads finish in order, round by round, so the first heads' Top-Ks and
+    attention run while later heads are still scored."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     cur, p_dead, _ = _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS, HAS_WINDOW)
-    _score_item(tl.program_id(0), q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, s_ptr, state_ptr,
-                stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
-                stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
-                H_KV, P, NCHUNK, 1, 1, cur, p_dead,
-                G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, 16, 0, 16, False, False)
+    for i_t in range(tl.program_id(0), N_SCORE, tl.num_programs(0)):
+        _score_item(i_t, q_ptr, kmin_ptr, kmax_ptr, scale_ptr, chan_ptr, s_ptr, s_ptr, state_ptr,
+                    stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
+                    stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
+                    H_KV, P, NCHUNK, 1, 1, cur, p_dead,
+                    G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, 16, 0, 16, False, False)
 
 
 @triton.jit
@@ -441,9 +453,13 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
     if launch.launches == 3:
         # `quest_step.compiled`: the three compiled kernels, for bench_fused_step.py's report.
         pdl = quest_step.overlapped = pdl_available(q.device)
+        score_grid = n_score
+        if launch.score_programs:
+            score_grid = min(n_score, launch.score_programs * num_sms(q.device))
         after = {"launch_pdl": True} if pdl else {}
         quest_step.compiled = (
-            _score_count_kernel[(n_score,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, page_size, window,
+            _score_count_kernel[(score_grid,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, n_score, page_size,
+                                               window,
                                             **both, **s_meta, PDL=pdl, num_warps=launch.num_warps),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
                                         num_warps=launch.num_warps, **after),

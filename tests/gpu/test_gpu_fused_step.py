@@ -44,8 +44,9 @@ CASES = [
 ]
 
 
-LAUNCHES = [fs.STEP_LAUNCH, fs.StepLaunch(launches=3)]
-LAUNCH_IDS = ["one-launch", "three-launches"]
+LAUNCHES = [fs.STEP_LAUNCH, fs.StepLaunch(launches=3), fs.StepLaunch(launches=3, score_item=32, score_block=32,
+                                                                      score_programs=2)]
+LAUNCH_IDS = ["one-launch", "three-launches", "resident-scoring"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
