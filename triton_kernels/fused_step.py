@@ -76,7 +76,10 @@ class StepLaunch:
 
     score_programs (three launches only): 0, one score item a program (every head's scores finish in the same
     wave); n > 0, a resident grid of n programs an SM, each walking items head-major, so that heads finish in order
-    and the first heads' Top-Ks and attention overlap the later heads' scoring."""
+    and the first heads' Top-Ks and attention overlap the later heads' scoring. On an H200 (benchmarks/kernels/
+    round18) 4 an SM gave 7B B=1 32K 31.4 us against 32.6 with one item a program (int8_channel 30.0 vs 31.1) and
+    128K 63.9-65.2 vs 68.6, tied at Llama-3-8B shared scores and slower at batch 8; 1-2 an SM score at a fraction of
+    the rate (one item in flight a program), so the heads' rounds are few and the gain small. Off by default."""
 
     score_block: int = 64
     score_item: int = 64
