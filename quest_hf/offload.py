@@ -167,6 +167,8 @@ class Pager:
         mk, mv = (layer.keys, layer.values) if direct else self._staged(layer)
         with _on(layer.device):
             if T == 1:
+                # No `ticket=` here (QuestLayer.append_decode's one-launch advance): the host write below reads
+                # the same position, so it moves on only after both.
                 ops.append_token_at(mk, mv, layer.kmin, layer.kmax, layer.valid, k, v, valid_new, layer.pos)
                 write = tko.write_token_at_ref if direct else tko.write_token_at
                 write(layer.keys, layer.values, self.tail_k, self.tail_v, k, v, layer.pos)
