@@ -123,6 +123,9 @@ class QuestLayer(CacheLayerMixin):
         # Beam search's page table, int32 [B, P]: the batch row holding page p of sequence b (None: its own row;
         # made by the first reorder under a selector whose kernels read through it, then only changed in place).
         self.rows: torch.Tensor | None = None
+        # QuestConfig(fused_step=...): the three-launch step's zeroed state, and which kernels the last step ran.
+        self.step_state: torch.Tensor | None = None
+        self.step_kernels: str | None = None
         self.side: dict[str, torch.Tensor] = {}
         self.side_state: dict = {}
         self.kmin8 = self.kmax8 = self.kscale = None

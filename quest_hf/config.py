@@ -138,6 +138,16 @@ class QuestConfig:
             on the device, so captured steps reuse too; a step that reuses reads no bound and no score: the score and
             Top-K launches read the device flag and return at once (captured steps too).
             Growth, crop, reset and batch edits choose afresh at the next step.
+        fused_step: how a sparse layer's decode step launches its kernels under policy "quest". `False`: three
+            separate kernels and their merge (`score_pages`, `topk_pages`, `sparse_decode_attention`). `True`: the
+            three-launch step (`triton_kernels.fused_step.quest_step`, `DECODE_STEP_LAUNCH`): a resident scoring grid
+            walking heads in order, each head's Top-K and attention starting as soon as that head's scores are done,
+            chained by programmatic dependent launch (Hopper); same pages chosen. `"auto"` (default): the
+            three-launch step where it measured faster on an H200 (benchmarks/kernels/round19): one sequence, one
+            score row a KV head without a GQA group (MHA), PDL available; elsewhere the separate kernels. Steps it
+            cannot take (beam search's page table, the GQA union, `reselect_every > 1`, offload, the PyTorch path, a
+            traced compiled step, rows wider than its Top-K tile) run the separate kernels under any setting;
+            `layer.step_kernels` says which ran and why.
         offload: None (default: every page on the layer's device) or `"cpu"`: each sparse layer keeps its K/V pages in
             page-locked host memory and on the GPU only the page bounds, the current page, a pool of resident pages
             and the page table; each decode step fetches the chosen pages that are not resident (quest_hf/offload.py:
@@ -175,6 +185,7 @@ class QuestConfig:
     bounds: str = "key_dtype"
     reselect_every: int = 1
     offload: str | None = None
+    fused_step: bool | str = "auto"
     offload_pages: int | None = None
     offload_bytes: int | None = None
     _compile_devices: tuple[str, ...] = field(default=("cuda",), repr=False)
@@ -222,6 +233,8 @@ class QuestConfig:
             raise ValueError(f"compile_capacity must be 'auto', 'bucket' or 'exact', got {self.compile_capacity!r}")
         if self.compile_wrapper not in ("auto", "cpp", "python"):
             raise ValueError(f"compile_wrapper must be 'auto', 'cpp' or 'python', got {self.compile_wrapper!r}")
+        if self.fused_step not in (True, False, "auto"):
+            raise ValueError(f"fused_step must be True, False or 'auto', got {self.fused_step!r}")
         for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

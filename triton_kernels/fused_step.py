@@ -1,6 +1,7 @@
 """A decode layer's whole Quest step in one launch (or three chained ones): page scores, Top-K, attention, merge.
 
-Experimental: `patch_model` does not use it. On an H200 it gives the separate kernels' ids exactly.
+A patched model's decode runs the three-launch form under `QuestConfig(fused_step=...)` ("auto": one sequence, MHA,
+on a GPU with PDL; benchmarks/kernels/round19). On an H200 it gives the separate kernels' ids exactly.
 - One launch (benchmarks/kernels/round16): 32.3 us against the separate kernels' 33.9 at Llama-2-7B B=1 32K
   (chained), but slower at 128K (73.8 vs 65.6), B=8 (151 vs 146) and Llama-3-8B shared scores (24.9 vs 20.5): one
   kernel holds the registers and shared memory of its largest role (the Top-K tile, the attention tiles), so the
@@ -52,7 +53,7 @@ from .sparse_attention import (
 )
 from .topk import _lean_topk_row, launch_config, lean_config, tail_config, topk_pages_ref
 
-__all__ = ["StepLaunch", "STEP_LAUNCH", "fused_step_supported", "quest_step", "quest_step_ref", "step_workspace"]
+__all__ = ["DECODE_STEP_LAUNCH", "StepLaunch", "STEP_LAUNCH", "fused_step_supported", "quest_step", "quest_step_ref", "step_workspace"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class StepLaunch:
 
 
 STEP_LAUNCH = StepLaunch()
+# What a patched model's decode runs (`QuestConfig(fused_step=...)`): three launches, a resident scoring grid of 4
+# programs an SM (benchmarks/kernels/round18-19).
+DECODE_STEP_LAUNCH = StepLaunch(launches=3, score_programs=4)
 
 
 def step_workspace(batch: int, kv_heads: int, device) -> torch.Tensor:

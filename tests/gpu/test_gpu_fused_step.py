@@ -121,3 +121,66 @@ def test_fused_step_graph_chain_of_layers_on_one_workspace(launch):
         for i, out in enumerate(outs):
             torch.testing.assert_close(out, want[i % 3], atol=2e-3, rtol=2e-3)
         assert (ws == 0).all()
+
+
+# ----------------------------------------------------------------------------- a patched model's decode through it
+
+
+def _model(kv_heads, model_type="llama", **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=1000,
+                               max_position_embeddings=8192, attn_implementation="sdpa", eos_token_id=None,
+                               pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(cfg).half().eval()
+    with torch.no_grad():  # sharpen attention so that selection matters
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _generate(model, ids, cuda_graph, **options):
+    from quest_hf import patch_model
+
+    patch_model(model, budget=256, page_size=16, cuda_graph=cuda_graph, compile_step=False, **options)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                         return_dict_in_generate=True, output_scores=True)
+    return out, [layer.step_kernels for layer in out.past_key_values.layers[2:]]
+
+
+@pytest.mark.parametrize("kv_heads, model_type, extra, options", [
+    pytest.param(4, "llama", {}, {}, id="mha-auto"),
+    pytest.param(4, "llama", {}, dict(bounds="int8_channel"), id="mha-auto-int8c"),
+    pytest.param(2, "llama", {}, dict(gqa_mode="max", fused_step=True), id="gqa-max-on"),
+    pytest.param(2, "mistral", dict(sliding_window=1024), dict(gqa_mode="max", fused_step=True), id="window-on"),
+])
+def test_patched_decode_through_the_fused_step_gives_the_separate_kernels_tokens(kv_heads, model_type, extra,
+                                                                                 options):
+    model = _model(kv_heads, model_type, **extra)
+    ids = torch.randint(2, 1000, (1, 3000), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    sep, sep_kernels = _generate(model, ids, False, **{**options, "fused_step": False})
+    assert sep_kernels == ["separate: QuestConfig(fused_step=False)"] * 2
+    for cuda_graph in (False, "auto"):
+        fused, kernels = _generate(model, ids, cuda_graph, **options)
+        pdl = torch.cuda.get_device_capability()[0] >= 9
+        if options.get("fused_step") is not True and not pdl:
+            assert all(k.startswith("separate: fused_step='auto' needs") for k in kernels)
+            continue
+        assert kernels == ["fused: three launches " + ("chained by PDL" if pdl else "one after another (no PDL)")] * 2
+        assert torch.equal(sep.sequences, fused.sequences), cuda_graph
+        for a, b in zip(sep.scores, fused.scores):
+            torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)  # attention tiles differ: rounding
+
+
+def test_auto_keeps_the_separate_kernels_for_batches_and_gqa_unions():
+    model = _model(2)
+    ids = torch.randint(2, 1000, (2, 600), device=DEV, generator=torch.Generator(DEV).manual_seed(2))
+    _, kernels = _generate(model, ids, "auto", gqa_mode="max")
+    assert kernels == ["separate: fused_step='auto' takes batch 1 only (slower at batch 8 on an H200)"] * 2
+    _, kernels = _generate(model, ids[:1], "auto")
+    assert kernels == ["separate: the GQA union (one score row a query head) runs as separate kernels"] * 2

@@ -1,0 +1,56 @@
+"""`QuestConfig(fused_step=...)`: a patched model's decode step through the three-launch `quest_step` instead of
+the separate kernels, same pages, same tokens; which kernels ran is on each layer (`layer.step_kernels`).
+At real sizes, captured: tests/gpu/test_gpu_fused_step.py."""
+import os
+
+import pytest
+import torch
+
+from quest_hf import QuestConfig, patch_model
+
+from .conftest import tiny_model
+
+triton_ok = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                               reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+def test_fused_step_setting_is_checked():
+    with pytest.raises(ValueError, match="fused_step must be True, False or 'auto'"):
+        QuestConfig(fused_step="yes")
+    assert QuestConfig().fused_step == "auto"
+
+
+def _run(model, ids, **kw):
+    patch_model(model, budget=16, page_size=4, dense_layers=1, backend="triton", cuda_graph=False,
+                compile_step=False, **kw)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    return out, [layer.step_kernels for layer in out.past_key_values.layers]
+
+
+@triton_ok
+def test_fused_step_decodes_the_separate_kernels_tokens(single_thread):
+    model = tiny_model("llama", heads=4, kv_heads=4, layers=3)
+    ids = torch.randint(2, 97, (1, 70), generator=torch.Generator().manual_seed(3))
+    sep, sep_kernels = _run(model, ids, fused_step=False)
+    fused, fused_kernels = _run(model, ids, fused_step=True)
+    assert sep_kernels == [None, "separate: QuestConfig(fused_step=False)", "separate: QuestConfig(fused_step=False)"]
+    assert all(k is not None and k.startswith("fused: three launches") for k in fused_kernels[1:])
+    assert torch.equal(sep.sequences, fused.sequences)
+    for a, b in zip(sep.scores, fused.scores):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    if not torch.cuda.is_available():  # the interpreter has no PDL: "auto" says so and keeps the separate kernels
+        auto, auto_kernels = _run(model, ids)
+        assert auto_kernels[1] == "separate: fused_step='auto' needs programmatic dependent launch (Hopper or newer)"
+        assert torch.equal(auto.sequences, sep.sequences)
+
+
+@triton_ok
+def test_fused_step_declines_what_it_cannot_run_and_says_why(single_thread):
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
+    ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(4))
+    _, kernels = _run(model, ids, fused_step=True)
+    assert kernels[1] == "separate: the GQA union (one score row a query head) runs as separate kernels"
+    _, kernels = _run(model, ids, fused_step=True, gqa_mode="max")
+    assert kernels[1].startswith("fused: three launches")
+    _, kernels = _run(model, ids, fused_step=True, gqa_mode="max", reselect_every=2)
+    assert kernels[1] == "separate: reselect_every > 1 (the reuse kernels)"
