@@ -109,7 +109,9 @@ class StepLaunch:
 
 STEP_LAUNCH = StepLaunch()
 # What a patched model's decode runs (`QuestConfig(fused_step=...)`): three launches, a resident scoring grid of 4
-# programs an SM (benchmarks/kernels/round18-19).
+# programs an SM (benchmarks/kernels/round18-19), StepLaunch's 64-token attention tiles. The separate attention's
+# 32-token tiles here measured no faster than the separate kernels in the captured 7B/32K step (round 19 call 3:
+# 5.747 vs 5.747 ms, greedy tokens still not the separate kernels' own), the 64-token ones 5.720 vs 5.753.
 DECODE_STEP_LAUNCH = StepLaunch(launches=3, score_programs=4)
 
 

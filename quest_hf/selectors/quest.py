@@ -96,8 +96,6 @@ def fused_step_declined(layer, q) -> str | None:
     why = fused_step_supported(layer.kmin.shape[2], group, reduce, rows=layer.rows, launch=DECODE_STEP_LAUNCH)
     if why is not None:
         return why
-    if layer.step_state is None and q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return "its workspace is made on an uncaptured step first"
     if cfg.fused_step == "auto":
         if q.shape[0] != 1:
             return "fused_step='auto' takes batch 1 only (slower at batch 8 on an H200)"
@@ -105,4 +103,6 @@ def fused_step_declined(layer, q) -> str | None:
             return "fused_step='auto' takes MHA only (tied with the separate kernels at a GQA group's shared score)"
         if not pdl_available(q.device):
             return "fused_step='auto' needs programmatic dependent launch (Hopper or newer)"
+    if layer.step_state is None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "its workspace is made on an uncaptured step first"
     return None
