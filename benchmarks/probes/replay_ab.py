@@ -50,7 +50,7 @@ def main():
         state.graph.graph = None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(a.rounds):
-        for text, run in runs.items():
+        for run in runs.values():
             for layer in run["cache"].layers:
                 layer.pos.fill_(a.length)
             run["graph"].replay()
