@@ -639,6 +639,20 @@ class QuestCache(Cache):
         return offload_stats(self)
 
     @property
+    def step_kernels(self) -> str | None:
+        """Which kernels the sparse layers' last decode steps ran (`QuestConfig.fused_step`), layers with the same
+        answer together: e.g. "fused: three launches chained by PDL (layers 2-31)", or "separate: fused_step='auto'
+        takes MHA only (...) (layers 2-27)". None before a sparse layer's first decode step. A captured step's
+        answer is the one its capture recorded: the replays run those kernels."""
+        from .families import _ranges
+
+        groups: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.step_kernels is not None:
+                groups.setdefault(layer.step_kernels, []).append(i)
+        return "; ".join(f"{what} (layers {_ranges(idx)})" for what, idx in groups.items()) or None
+
+    @property
     def backends(self) -> set[str]:
         """Names of the backends the initialised layers run (`{"triton"}` on CUDA by default)."""
         return {layer.ops.name for layer in self.layers if layer.ops is not None}

@@ -147,7 +147,8 @@ class QuestConfig:
             score row a KV head without a GQA group (MHA), PDL available; elsewhere the separate kernels. Steps it
             cannot take (beam search's page table, the GQA union, `reselect_every > 1`, offload, the PyTorch path, a
             traced compiled step, rows wider than its Top-K tile) run the separate kernels under any setting;
-            `layer.step_kernels` says which ran and why.
+            `layer.step_kernels` says which ran and why; `cache.step_kernels` and `model._quest_state.step_kernels`
+            sum them up by layers.
         offload: None (default: every page on the layer's device) or `"cpu"`: each sparse layer keeps its K/V pages in
             page-locked host memory and on the GPU only the page bounds, the current page, a pool of resident pages
             and the page table; each decode step fetches the chosen pages that are not resident (quest_hf/offload.py:

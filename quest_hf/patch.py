@@ -111,6 +111,8 @@ class _PatchState:
     # The decode path of the last cache that decoded ("captured", "compiled, uncaptured: ...", "eager: ..."): what
     # ran, also where generate() did not return its cache.
     decode_path: str | None = None
+    # The same cache's `step_kernels`: which kernels its sparse layers' decode steps ran (QuestConfig.fused_step).
+    step_kernels: str | None = None
 
 
     def __getstate__(self):
@@ -501,6 +503,7 @@ def _forward(method: Method, *args, **kwargs):
             return _decode_step(model, state, original, cache, ids, args, kwargs)
         finally:
             state.decode_path = cache.decode_path  # what ran, also when generate() keeps the cache to itself
+            state.step_kernels = cache.step_kernels
     return original(*args, **kwargs)
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from quest_hf import QuestConfig, patch_model
+from quest_hf import QuestCache, QuestConfig, patch_model
 
 from .conftest import tiny_model
 
@@ -18,6 +18,7 @@ def test_fused_step_setting_is_checked():
     with pytest.raises(ValueError, match="fused_step must be True, False or 'auto'"):
         QuestConfig(fused_step="yes")
     assert QuestConfig().fused_step == "auto"
+    assert QuestCache(QuestConfig(), 3).step_kernels is None  # no decode step yet
 
 
 def _run(model, ids, **kw):
@@ -35,6 +36,10 @@ def test_fused_step_decodes_the_separate_kernels_tokens(single_thread):
     fused, fused_kernels = _run(model, ids, fused_step=True)
     assert sep_kernels == [None, "separate: QuestConfig(fused_step=False)", "separate: QuestConfig(fused_step=False)"]
     assert all(k is not None and k.startswith("fused: three launches") for k in fused_kernels[1:])
+    # The cache's summary, and the model's copy of it (what a generate() that keeps its cache leaves to read).
+    assert sep.past_key_values.step_kernels == "separate: QuestConfig(fused_step=False) (layers 1-2)"
+    assert fused.past_key_values.step_kernels == f"{fused_kernels[1]} (layers 1-2)"
+    assert model._quest_state.step_kernels == fused.past_key_values.step_kernels
     assert torch.equal(sep.sequences, fused.sequences)
     for a, b in zip(sep.scores, fused.scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
@@ -52,5 +57,7 @@ def test_fused_step_declines_what_it_cannot_run_and_says_why(single_thread):
     assert kernels[1] == "separate: the GQA union (one score row a query head) runs as separate kernels"
     _, kernels = _run(model, ids, fused_step=True, gqa_mode="max")
     assert kernels[1].startswith("fused: three launches")
-    _, kernels = _run(model, ids, fused_step=True, gqa_mode="max", reselect_every=2)
+    out, kernels = _run(model, ids, fused_step=True, gqa_mode="max", reselect_every=2)
     assert kernels[1] == "separate: reselect_every > 1 (the reuse kernels)"
+    assert out.past_key_values.step_kernels == "separate: reselect_every > 1 (the reuse kernels) (layers 1)"
+    assert model._quest_state.step_kernels == out.past_key_values.step_kernels
