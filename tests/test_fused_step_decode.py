@@ -9,6 +9,7 @@ import torch
 from quest_hf import QuestCache, QuestConfig, patch_model
 
 from .conftest import tiny_model
+from .testing import DEVICE as DEV
 
 triton_ok = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
@@ -30,8 +31,8 @@ def _run(model, ids, **kw):
 
 @triton_ok
 def test_fused_step_decodes_the_separate_kernels_tokens(single_thread):
-    model = tiny_model("llama", heads=4, kv_heads=4, layers=3)
-    ids = torch.randint(2, 97, (1, 70), generator=torch.Generator().manual_seed(3))
+    model = tiny_model("llama", heads=4, kv_heads=4, layers=3).to(DEV)  # with a GPU the compiled kernels
+    ids = torch.randint(2, 97, (1, 70), generator=torch.Generator().manual_seed(3)).to(DEV)
     sep, sep_kernels = _run(model, ids, fused_step=False)
     fused, fused_kernels = _run(model, ids, fused_step=True)
     assert sep_kernels == [None, "separate: QuestConfig(fused_step=False)", "separate: QuestConfig(fused_step=False)"]
@@ -51,8 +52,8 @@ def test_fused_step_decodes_the_separate_kernels_tokens(single_thread):
 
 @triton_ok
 def test_fused_step_declines_what_it_cannot_run_and_says_why(single_thread):
-    model = tiny_model("llama", heads=4, kv_heads=2, layers=2)
-    ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(4))
+    model = tiny_model("llama", heads=4, kv_heads=2, layers=2).to(DEV)
+    ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(4)).to(DEV)
     _, kernels = _run(model, ids, fused_step=True)
     assert kernels[1] == "separate: the GQA union (one score row a query head) runs as separate kernels"
     _, kernels = _run(model, ids, fused_step=True, gqa_mode="max")
