@@ -58,6 +58,10 @@ class _Step:
         # from the config and the layer's device alone (QuestConfig.buckets_capacity).
         self.bucket: bool | None = None
         self._moved: dict[torch.device, torch.Tensor] = {}
+        # QuestCache.step_kernels' summary of its layers' `step_kernels`, made again only after one of them changed
+        # (read after every decode step by the patch; captured replays change none).
+        self.kernels: str | None = None
+        self.kernels_stale = False
 
     def set(self, valid_new: torch.Tensor | None):
         self.valid_new, self._moved = (self.pinned if self.pinned is not None else valid_new), {}
@@ -125,7 +129,7 @@ class QuestLayer(CacheLayerMixin):
         self.rows: torch.Tensor | None = None
         # QuestConfig(fused_step=...): the three-launch step's zeroed state, and which kernels the last step ran.
         self.step_state: torch.Tensor | None = None
-        self.step_kernels: str | None = None
+        self._step_kernels: str | None = None
         self.side: dict[str, torch.Tensor] = {}
         self.side_state: dict = {}
         self.kmin8 = self.kmax8 = self.kscale = None
@@ -151,6 +155,17 @@ class QuestLayer(CacheLayerMixin):
     @property
     def page_size(self) -> int:
         return self.config.page_size
+
+    @property
+    def step_kernels(self) -> str | None:
+        """Which kernels this layer's last decode step ran, and why (`QuestConfig.fused_step`); None before one."""
+        return self._step_kernels
+
+    @step_kernels.setter
+    def step_kernels(self, text: str | None) -> None:
+        if text != self._step_kernels:
+            self._step_kernels = text
+            self._step.kernels_stale = True  # the cache's summary (QuestCache.step_kernels) is made again on its read
 
     @property
     def capacity(self) -> int:
@@ -644,13 +659,16 @@ class QuestCache(Cache):
         answer together: e.g. "fused: three launches chained by PDL (layers 2-31)", or "separate: fused_step='auto'
         takes MHA only (...) (layers 2-27)". None before a sparse layer's first decode step. A captured step's
         answer is the one its capture recorded: the replays run those kernels."""
-        from .families import _ranges
+        if self._step.kernels_stale:
+            from .families import _ranges
 
-        groups: dict[str, list[int]] = {}
-        for i, layer in enumerate(self.layers):
-            if layer.step_kernels is not None:
-                groups.setdefault(layer.step_kernels, []).append(i)
-        return "; ".join(f"{what} (layers {_ranges(idx)})" for what, idx in groups.items()) or None
+            groups: dict[str, list[int]] = {}
+            for i, layer in enumerate(self.layers):
+                if layer.step_kernels is not None:
+                    groups.setdefault(layer.step_kernels, []).append(i)
+            self._step.kernels = "; ".join(f"{what} (layers {_ranges(idx)})" for what, idx in groups.items()) or None
+            self._step.kernels_stale = False
+        return self._step.kernels
 
     @property
     def backends(self) -> set[str]:

@@ -19,7 +19,14 @@ def test_fused_step_setting_is_checked():
     with pytest.raises(ValueError, match="fused_step must be True, False or 'auto'"):
         QuestConfig(fused_step="yes")
     assert QuestConfig().fused_step == "auto"
-    assert QuestCache(QuestConfig(), 3).step_kernels is None  # no decode step yet
+    cache = QuestCache(QuestConfig(), 4)
+    assert cache.step_kernels is None  # no decode step yet
+    for layer in cache.layers[1:]:
+        layer.step_kernels = "fused: three launches chained by PDL"
+    assert cache.step_kernels == "fused: three launches chained by PDL (layers 1-3)"
+    cache.layers[2].step_kernels = "separate: QuestConfig(fused_step=False)"  # the summary follows a change
+    assert cache.step_kernels == ("fused: three launches chained by PDL (layers 1,3); "
+                                  "separate: QuestConfig(fused_step=False) (layers 2)")
 
 
 def _run(model, ids, **kw):
