@@ -411,50 +411,6 @@ def test_topk_lean_path_gives_the_same_ids(kind, B, R, P, k, group, how, rank_bi
         assert ((need == need_old) | ((cut == 2**31 - 1) & (need >= ties))).all()
 
 
-HIST_CASES = [(kind, *case) for kind in ("plain", "ties", "ties-in-tail") for case in [
-    (2, 3, 300, 20, 1, "one", 4), (1, 4, 300, 33, 4, "split", 8), (2, 2, 257, 40, 1, "mask", 2),
-    (1, 2, 2053, 129, 1, "one", 4), (1, 4, 2053, 129, 4, "split", 8)]]
-
-
-@pytest.mark.parametrize("kind,B,R,P,k,group,how,hist_bits", HIST_CASES)
-def test_topk_histogram_digits_give_the_radix_searchs_ids(kind, B, R, P, k, group, how, hist_bits):
-    # TopKLaunch(hist_bits): the lean path's rank search by one histogram of `hist_bits`-bit digits a pass
-    # (`_hist_tile`) finds the same k-th rank bucket as the 2-bit packed counts, so the same ids, thresholds and
-    # masking, across the tile and its tail; rank_bits=4 with 2053 pages also sends rows to the exact-key search.
-    from triton_kernels import topk as topk_mod
-
-    if kind == "plain":
-        s = random_scores(B, R, P, seed=P + k + hist_bits)
-    else:
-        s = _adversarial_rows("ties", B, R, P, k, seed=P + k + hist_bits)
-    if kind == "ties-in-tail" and P > 256:
-        block = 1 << (P.bit_length() - 1)
-        s[..., block - 40: P - 1] = 0.5
-    rank_bits = 4 if P > 2048 and group == 1 else 16
-    base = dict(split_union=how != "one", rank_bits=rank_bits)
-    hist, radix = topk_mod.TopKLaunch(**base, hist_bits=hist_bits), topk_mod.TopKLaunch(**base)
-    assert topk_mod.lean_config(P, 1, hist)
-    mask = how == "mask"
-    s_radix, s_hist = s.clone(), s.clone()
-    want = tk.topk_pages(s_radix, k, group, mask_rest=mask, launch=radix)
-    got = tk.topk_pages(s_hist, k, group, mask_rest=mask, launch=hist, out=torch.full_like(want, 12345))
-    assert torch.equal(got, want)
-    assert torch.equal(s_hist, s_radix)
-    if group > 1:
-        for a, b in zip(topk_mod._thresholds(s, k, hist), topk_mod._thresholds(s, k, radix)):
-            assert torch.equal(a, b)
-
-
-def test_topk_launch_checks_hist_bits():
-    from triton_kernels import topk as topk_mod
-
-    for bad in (3, 16, -2):
-        with pytest.raises(ValueError, match="hist_bits"):
-            topk_mod.TopKLaunch(hist_bits=bad)
-    with pytest.raises(ValueError, match="dividing rank_bits"):
-        topk_mod.TopKLaunch(hist_bits=8, rank_bits=12)
-
-
 def topk_mod_key(x):
     """The int32 order key of fp32 scores (triton_kernels.topk's `_order_key`), on the host."""
     bits = x.contiguous().view(torch.int32)

@@ -368,7 +368,7 @@ def _head_topk(s_ptr, ids_ptr, state_ptr, i_bh, P, KK, K_OUT, TK_BLOCK: tl.const
                RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr):
     """KV head `i_bh`'s Top-K over its scores (read from L2: written by other programs), then its flag raised."""
     _lean_topk_row(s_ptr + i_bh * P, ids_ptr + i_bh * K_OUT, 1, 1, P, KK, K_OUT, TK_BLOCK, False,
-                   RANK_BITS, TAIL, ONE_REDUCE, ".cg", 0)
+                   RANK_BITS, TAIL, ONE_REDUCE, ".cg")
     tl.debug_barrier()
     tl.atomic_xchg(state_ptr + 1 + 3 * i_bh, 1, sem="release")
 

@@ -92,15 +92,11 @@ class TopKLaunch:
         took the 32K rows' Top-K from 9.0 to 8.1 us (2053 pages), shared scores 7.1 -> 6.5, and the 8B shared-score
         layer step 21.5 -> 20.3 us; at 8192-key tiles the layer steps were 1.5-2.5 us slower in two calls: hence
         4096.
-    hist_bits: the lean path's rank search with `hist_bits`-bit digits, each pass one histogram of the row's keys
-        in the current range (`_hist_tile`), instead of 2-bit digits by three packed counts (0). Same ids.
     """
 
     def __post_init__(self):
         if self.rank_bits and (self.rank_bits % 2 or not 2 <= self.rank_bits <= 30):
             raise ValueError(f"rank_bits must be 0 or even in [2, 30], got {self.rank_bits}")
-        if self.hist_bits and (self.hist_bits not in (2, 4, 8) or self.rank_bits % self.hist_bits):
-            raise ValueError(f"hist_bits must be 0 or 2, 4 or 8 dividing rank_bits {self.rank_bits}, got {self.hist_bits}")
         if self.union_chunk < 16 or self.union_chunk & (self.union_chunk - 1):
             raise ValueError(f"union_chunk must be a power of two >= 16, got {self.union_chunk}")
 
@@ -117,7 +113,6 @@ class TopKLaunch:
     tail_tile: int = 64
     lean: int = 4096
     onepass_union: bool = True
-    hist_bits: int = 0
 
 
 TOPK_LAUNCH = TopKLaunch()
@@ -209,32 +204,6 @@ def _radix_tile(b_key, i_lo, i_shift, i_cnt, KK, b_tail, HAS_TAIL: tl.constexpr)
 
 
 @triton.jit
-def _hist_tile(b_key, i_lo, i_shift, i_cnt, KK, b_tail, HAS_TAIL: tl.constexpr, BITS: tl.constexpr):
-    """`_radix_tile` for one row (`[1, N]` keys, `[1, T]` tail) with BITS-bit digits counted by one histogram a pass
-    (`TopKLaunch.hist_bits`) instead of 2-bit digits by three packed counts: a quarter of the passes at BITS 8 over a
-    16-bit search, half at 4. `i_shift` a multiple of BITS. Keys of the current range [i_lo, i_lo + 2^i_shift) fall
-    in a digit `(key - i_lo) >> i_s`; the keys >= i_lo + j << i_s are the `i_cnt` keys >= i_lo less those of the
-    digits below j. Returns (i_lo, i_cnt) as `_radix_tile`."""
-    NB: tl.constexpr = 1 << BITS
-    N: tl.constexpr = b_key.shape[1]
-    while tl.max(i_shift, axis=0) > 0:
-        i_s = tl.maximum(i_shift - BITS, 0)
-        d = (b_key - i_lo[:, None]) >> i_s[:, None]
-        h = tl.histogram(tl.reshape(d, [N]), NB, mask=tl.reshape((b_key >= i_lo[:, None]) & (d < NB), [N]))
-        if HAS_TAIL:
-            T: tl.constexpr = b_tail.shape[1]
-            d2 = (b_tail - i_lo[:, None]) >> i_s[:, None]
-            h += tl.histogram(tl.reshape(d2, [T]), NB, mask=tl.reshape((b_tail >= i_lo[:, None]) & (d2 < NB), [T]))
-        c = i_cnt - (tl.cumsum(h, 0) - h)  # [NB]: keys >= i_lo + j << i_s; falls with j, c[0] = i_cnt >= KK
-        i_digit = tl.sum((c >= KK).to(tl.int32), axis=0) - 1
-        c_new = tl.min(tl.where(c >= KK, c, INT_MAX), axis=0)
-        i_lo = i_lo + (i_digit << i_s)
-        i_cnt = i_cnt * 0 + c_new
-        i_shift = tl.where(c_new != KK, i_s, 0)
-    return i_lo, i_cnt
-
-
-@triton.jit
 def _tail_max(x, b_tail, HAS_TAIL: tl.constexpr):
     # x, joined by the row-wise max of the tail tile (reductions over a row held as a tile and its tail)
     if HAS_TAIL:
@@ -293,14 +262,12 @@ def _ranked_threshold(b_key, n_fin, i_min, m_search, KK, RANK_BITS: tl.constexpr
     HAS_TAIL: the row's keys past the tile are `b_tail`, ranked and searched with it."""
     i_hi = _tail_max(tl.max(tl.where((b_key > NEG_INF_KEY) & (b_key < POS_INF_KEY), b_key, INT_MIN), axis=1),
                      tl.where((b_tail > NEG_INF_KEY) & (b_tail < POS_INF_KEY), b_tail, INT_MIN), HAS_TAIL)
-    b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_tail, HAS_TAIL,
-                                               0)
+    b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_tail, HAS_TAIL)
     return _rank_key(b_key, b_rank, r_lo, r_cnt, m_search, KK, b_tail, t_rank, HAS_TAIL)
 
 
 @triton.jit
-def _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS: tl.constexpr, b_tail, HAS_TAIL: tl.constexpr,
-                 HIST: tl.constexpr):
+def _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS: tl.constexpr, b_tail, HAS_TAIL: tl.constexpr):
     """`_ranked_threshold`'s search on ranks, given each row's least finite key `i_min` and largest finite key
     below +inf `i_hi`: (the tile's ranks, the tail's, r_lo, r_cnt): `r_cnt` keys rank >= r_lo, the KK-th pick's
     rank; a row with r_cnt == KK takes exactly the keys ranked >= r_lo."""
@@ -311,12 +278,8 @@ def _rank_search(b_key, n_fin, i_min, i_hi, m_search, KK, RANK_BITS: tl.constexp
     scale = tl.where((i_hi > i_min) & (span < float("inf")) & (scale < float("inf")), scale, 0.0)
     b_rank = _ranks(b_key, i_min, scale, Q_TOP)
     t_rank = _ranks(b_tail, i_min, scale, Q_TOP) if HAS_TAIL else b_tail
-    if HIST:  # one row (`_lean_search`), `TopKLaunch.hist_bits`
-        r_lo, r_cnt = _hist_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK,
-                                 t_rank, HAS_TAIL, HIST)
-    else:
-        r_lo, r_cnt = _radix_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK,
-                                  t_rank, HAS_TAIL)
+    r_lo, r_cnt = _radix_tile(b_rank, tl.where(m_search, 0, -1), tl.where(m_search, RANK_BITS, 0), n_fin, KK,
+                              t_rank, HAS_TAIL)
     return b_rank, t_rank, r_lo, r_cnt
 
 
@@ -381,8 +344,7 @@ def _row_stats(b_key, ONE_REDUCE: tl.constexpr):
 
 
 @triton.jit
-def _lean_search(b_key1, b_key2, KK, RANK_BITS: tl.constexpr, HAS_TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr,
-                 HIST: tl.constexpr):
+def _lean_search(b_key1, b_key2, KK, RANK_BITS: tl.constexpr, HAS_TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr):
     """`_row_thresholds`' search for one row held by `_lean_keys`: its finite count, least finite key and largest
     finite key below +inf in one three-operand reduction (a second for the tail), then the rank search.
     Returns (n_fin, m_search, ranks, tail ranks, r_lo, r_cnt) as `_rank_search`."""
@@ -391,8 +353,7 @@ def _lean_search(b_key1, b_key2, KK, RANK_BITS: tl.constexpr, HAS_TAIL: tl.const
         n2, lo2, hi2 = _row_stats(b_key2, ONE_REDUCE)
         n_fin, i_min, i_hi = _stats3(n_fin, i_min, i_hi, n2, lo2, hi2)
     m_search = n_fin > KK
-    b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key1, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_key2, HAS_TAIL,
-                                               HIST)
+    b_rank, t_rank, r_lo, r_cnt = _rank_search(b_key1, n_fin, i_min, i_hi, m_search, KK, RANK_BITS, b_key2, HAS_TAIL)
     return n_fin, m_search, b_rank, t_rank, r_lo, r_cnt
 
 
@@ -417,8 +378,7 @@ def _lean_cut(b_key1, b_key2, i_lo, KK, m_search, BLOCK_P: tl.constexpr, HAS_TAI
 
 @triton.jit
 def _lean_topk_row(p_row, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P: tl.constexpr, MASK_REST: tl.constexpr,
-                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr, CACHE: tl.constexpr,
-                   HIST: tl.constexpr):
+                   RANK_BITS: tl.constexpr, TAIL: tl.constexpr, ONE_REDUCE: tl.constexpr, CACHE: tl.constexpr):
     """`_topk_rows` for one row (GROUP 1) with fewer block-wide steps (`TopKLaunch.lean`): a row whose KK-th pick
     does not share its rank bucket (nearly all) takes exactly the keys ranked at or above it, compacted by one
     scan; only otherwise are its threshold key and the page id up to which it takes ties found."""
@@ -427,7 +387,7 @@ def _lean_topk_row(p_row, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P: tl
     b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL, CACHE)
     o_t = BLOCK_P + tl.arange(0, b_key2.shape[1])[None, :]  # the tail's pages (TAIL 0: unused)
     n_fin, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL,
-                                                                ONE_REDUCE, HIST)
+                                                                ONE_REDUCE)
     r_pick = tl.where(m_search, r_lo, 0)  # rows not searching take every finite key (rank >= 0)
     pick1 = b_rank >= r_pick[:, None]
     pick2 = t_rank >= r_pick[:, None]
@@ -596,7 +556,7 @@ def _topk_pages_kernel(
     R_OUT, P, KK, K_OUT,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr,
     MASK_REST: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr, TAIL: tl.constexpr,
-    LEAN: tl.constexpr, ONE_REDUCE: tl.constexpr, HIST: tl.constexpr,
+    LEAN: tl.constexpr, ONE_REDUCE: tl.constexpr,
 ):
     # HAS_DUE (selection reuse): on a step that reuses its stored pages every program returns here, having read
     # one flag and nothing of its row, so the launch (fixed grid: a captured step) is nearly empty.
@@ -608,7 +568,7 @@ def _topk_pages_kernel(
         p_out = out_ptr + i_b * stride_ob + i_g * stride_or
         if LEAN:  # one row a program, held in one tile (and a tail): `lean_config`
             _lean_topk_row(p_rows, p_out, stride_sp, stride_ok, P, KK, K_OUT, BLOCK_P, MASK_REST, RANK_BITS, TAIL,
-                           ONE_REDUCE, "", HIST)
+                           ONE_REDUCE, "")
         else:
             _topk_rows(p_rows, p_out, stride_sr, stride_sp, stride_ok, P, KK, K_OUT, GROUP, GROUP_PAD, BLOCK_P,
                        SINGLE_TILE, MASK_REST, RANK_BITS, TAIL)
@@ -619,7 +579,7 @@ def _topk_thresholds_kernel(
     s_ptr, thr_ptr, need_ptr, cut_ptr, due_ptr, stride_sb, stride_sr, stride_sp, R, P, KK, zero_ptr, N_ZERO,
     BLOCK_P: tl.constexpr, SINGLE_TILE: tl.constexpr, RANK_BITS: tl.constexpr, HAS_DUE: tl.constexpr,
     TAIL: tl.constexpr, LEAN: tl.constexpr, CUT: tl.constexpr, GROUP: tl.constexpr, ZERO_PAD: tl.constexpr,
-    ONE_REDUCE: tl.constexpr, HIST: tl.constexpr,
+    ONE_REDUCE: tl.constexpr,
 ):
     """Split union, pass 1: one program per score row finds its threshold (as `_topk_rows` does for a group).
     With CUT (single-tile rows) also the page id up to which the row takes its ties at the threshold (`_lean_cut`;
@@ -634,7 +594,7 @@ def _topk_thresholds_kernel(
         if LEAN:
             b_key1, b_key2 = _lean_keys(p_row, stride_sp, P, BLOCK_P, TAIL, "")
             _, m_search, b_rank, t_rank, r_lo, r_cnt = _lean_search(b_key1, b_key2, KK, RANK_BITS, HAS_TAIL,
-                                                                    ONE_REDUCE, HIST)
+                                                                    ONE_REDUCE)
             i_lo = _rank_key(b_key1, b_rank, r_lo, r_cnt, m_search, KK, b_key2, t_rank, HAS_TAIL)
             # A row taking all of its ranks >= r_lo takes every tie at T: need KK (>= their count), no cutoff.
             i_need = o_1 * 0 + KK
@@ -889,7 +849,7 @@ def topk_pages(scores, k: int, group: int = 1, mask_rest: bool = False, *, launc
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_P=block_p, SINGLE_TILE=single, MASK_REST=mask_rest,
         RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail,
         LEAN=lean_config(P, group, launch) and launch.block_p is None, ONE_REDUCE=not interpreting(),
-        HIST=launch.hist_bits, num_warps=launch.num_warps or warps,
+        num_warps=launch.num_warps or warps,
     )
     return out
 
@@ -937,7 +897,7 @@ def _thresholds(scores, k, launch, due=None, group=1, zero=0):
         scores, thr, need, cut if cut_on else thr, due_arg(due, thr), scores.stride(0), scores.stride(1),
         scores.stride(2), R, P, min(k, P), state if zero else thr, zero, BLOCK_P=block_p, SINGLE_TILE=single,
         RANK_BITS=launch.rank_bits, HAS_DUE=due is not None, TAIL=tail_config(P, 1, launch)[1], LEAN=lean,
-        ONE_REDUCE=not interpreting(), HIST=launch.hist_bits,
+        ONE_REDUCE=not interpreting(),
         CUT=cut_on, GROUP=group, ZERO_PAD=next_pow2(max(zero, 1)), num_warps=warps,
     )
     return (thr, need, cut, state) if zero else (thr, need, cut)
