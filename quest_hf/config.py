@@ -101,6 +101,14 @@ class QuestConfig:
             rest was not. While patched the q/k/v (gate/up) weights share one storage (transformers 5.24's
             `save_pretrained` still writes and reloads them exactly); `unpatch_model`, or re-patching with
             `False`, gives each its own contiguous copy back.
+        decode_gemv: `"auto"` (default): on where the model's weights are on CUDA with Triton there (and `backend`
+            is not "torch"); `True` / `False`. Each decoder layer's plain-`nn.Linear` attention and MLP projections
+            send an input of one row (a one-sequence decode token) to a Triton GEMV (triton_kernels/gemv.py,
+            quest_hf/decode_gemv.py) instead of cuBLAS, which reads the weights below the copy bandwidth at batch 1
+            (an H100: 71-96% against 97-102%, benchmarks/kernels/round21); prefill, batches and beams keep cuBLAS.
+            Rounding differs from cuBLAS's (one fp16 ulp at most on 7B/8B shapes): greedy tokens can part where two
+            logits nearly tie. With `fuse_projections` a fused group's outputs equal the unfused GEMV's bitwise.
+            `model._quest_state.gemv` lists what was bound, what not and why.
         defer_stop_check: `True` (default): `generate()` on CUDA decides whether to stop one step late,
             so the host queues the next step instead of waiting for the GPU after every token (HF's own
             `DeferredStopCheck`, which transformers turns on only for "mps"; 7B at 32K on an H200: 6.38
@@ -181,6 +189,7 @@ class QuestConfig:
     compile_capacity: str = "auto"
     compile_wrapper: str = "auto"
     fuse_projections: bool = False
+    decode_gemv: bool | str = "auto"
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
     bounds: str = "key_dtype"
@@ -234,8 +243,10 @@ class QuestConfig:
             raise ValueError(f"compile_capacity must be 'auto', 'bucket' or 'exact', got {self.compile_capacity!r}")
         if self.compile_wrapper not in ("auto", "cpp", "python"):
             raise ValueError(f"compile_wrapper must be 'auto', 'cpp' or 'python', got {self.compile_wrapper!r}")
-        if self.fused_step not in (True, False, "auto"):
-            raise ValueError(f"fused_step must be True, False or 'auto', got {self.fused_step!r}")
+        for name in ("fused_step", "decode_gemv"):
+            if getattr(self, name) not in (True, False, "auto") or getattr(self, name) in (0, 1) and not isinstance(
+                    getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

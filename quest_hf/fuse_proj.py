@@ -25,11 +25,11 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from transformers.utils import logging
 
 from . import families
 from .binding import Bindings, Method
+from .decode_gemv import linear
 
 logger = logging.get_logger("quest_hf")
 
@@ -58,8 +58,8 @@ class FusedLinears:
     `function`: for a group whose owner's forward is replaced (the MLP's), the module-level function it runs,
     `function(owner, x, *operands())`; the group's modules are then skipped (and a hook on one unfuses the call)."""
 
-    def __init__(self, modules: list, name: str, function=None):
-        self.modules, self.name, self.function = modules, name, function
+    def __init__(self, modules: list, name: str, function=None, gemv: bool = False):
+        self.modules, self.name, self.function, self.gemv = modules, name, function, gemv
         self.sizes = tuple(m.out_features for m in modules)
         self.bypass = function is not None
         with torch.no_grad():
@@ -102,13 +102,13 @@ class FusedLinears:
             return out
         if not self.intact():
             return None
-        outs = list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        outs = list(linear(x, self.weight, self.bias, self.gemv).split(self.sizes, dim=-1))
         out, outs[i] = outs[i], None
         self.last = (x, version, outs)
         return out
 
     def operands(self) -> tuple:
-        return self.weight, self.bias, self.sizes
+        return self.weight, self.bias, self.sizes, self.gemv
 
     def unfuse(self) -> None:
         """Give every projection still on its view a separate contiguous copy; drop the fused weight."""
@@ -129,7 +129,7 @@ def _projection_forward(method: Method, x, *args, **kwargs):
     return out if out is not None else method.original(x, *args, **kwargs)
 
 
-def gate_up_forward(mlp, x, weight, bias, sizes):
+def gate_up_forward(mlp, x, weight, bias, sizes, gemv=False):
     """LlamaMLP's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, gate and up from one matmul over [W_gate; W_up].
 
     The product is taken in place in `act_fn(gate)`'s output: the [gate | up] output lives until the product is
@@ -137,7 +137,7 @@ def gate_up_forward(mlp, x, weight, bias, sizes):
     forward at its peak (a 128K-token Llama-3-8B prefill: 3.5 GiB, benchmarks/e2e/run18). Where autograd records
     the activation (an input that requires grad) the product is a fresh tensor, as autograd may need it; where
     act_fn returns its input, that input is a view of this call's own buffer, so nothing else sees the change."""
-    gate, up = F.linear(x, weight, bias).split(sizes, dim=-1)
+    gate, up = linear(x, weight, bias, gemv).split(sizes, dim=-1)
     act = mlp.act_fn(gate)
     return mlp.down_proj(act * up if act.requires_grad else act.mul_(up))
 
@@ -176,9 +176,10 @@ def _qkv_reason(attn) -> str | None:
     return None
 
 
-def fuse_projections(model, bindings: Bindings) -> Fusion:
+def fuse_projections(model, bindings: Bindings, gemv: bool = False) -> Fusion:
     """Fuse each decoder layer's q/k/v and LlamaMLP-style gate/up projections, recording every replacement in
-    `bindings` (whose restore unfuses); returns what was fused."""
+    `bindings` (whose restore unfuses); returns what was fused. `gemv`: a group's one-row matmul goes through the
+    batch-1 GEMV (`decode_gemv`; the projections' own forwards then are its, bound before)."""
     fusion = Fusion()
     _, layers = families._decoder_layers(model)
     for j, layer in enumerate(layers):
@@ -188,7 +189,7 @@ def fuse_projections(model, bindings: Bindings) -> Fusion:
         if why:
             fusion.skipped[f"layer {j} q/k/v"] = why
         else:
-            group = FusedLinears(mods, "q/k/v")
+            group = FusedLinears(mods, "q/k/v", gemv=gemv)
             bindings.call(group.unfuse)
             for i, m in enumerate(mods):
                 bindings.method(m, "forward", _projection_forward, data=(group, i))
@@ -200,7 +201,7 @@ def fuse_projections(model, bindings: Bindings) -> Fusion:
         if why:
             fusion.skipped[f"layer {j} gate/up"] = why
         else:
-            group = FusedLinears(mods, "gate/up", gate_up_forward)
+            group = FusedLinears(mods, "gate/up", gate_up_forward, gemv=gemv)
             bindings.call(group.unfuse)
             bindings.set(mlp, "_quest_fused", group)  # quest_hf/fuse.py compiles gate_up_forward over it
             bindings.method(mlp, "forward", _mlp_forward, data=group)

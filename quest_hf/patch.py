@@ -28,6 +28,7 @@ from .binding import MISSING, Bindings, Method, shared_kind
 from .cache import QuestCache
 from .compiled import CompiledStep, compiled_step_active
 from .config import QuestConfig
+from .decode_gemv import DecodeGemv, bind_decode_gemv
 from .fuse import DecodeCompile, compile_decode_modules, enter_forward, exit_forward
 from .fuse_proj import Fusion, fuse_projections
 from .graph import DecodeGraph, SegmentGraph, plan_segments
@@ -94,6 +95,8 @@ class _PatchState:
     cache_arg: str  # the decoder's name for the cache argument: "cache" (>= 5.24) or "past_key_values"
     attention_modules: list = field(default_factory=list)
     bindings: Bindings = field(default_factory=Bindings)  # everything the patch replaced, undone by unpatch_model
+    gemv_bindings: Bindings | None = None  # the part of `bindings` that decode_gemv replaced (before fusion)
+    gemv: DecodeGemv | None = None  # decode_gemv's bound projections (quest_hf/decode_gemv.py); None: not bound
     fuse_bindings: Bindings | None = None  # the part of `bindings` that fuse_projections replaced
     fused: Fusion | None = None  # fuse_projections' fused layers (quest_hf/fuse_proj.py); None: not fused
     compile_bindings: Bindings | None = None  # the part of `bindings` that compile_decode replaced (after fusion)
@@ -608,6 +611,7 @@ def patch_model(model, budget: int = _UNSET, page_size: int = _UNSET, *,
         if hasattr(model, "generate"):
             record.method(model, "generate", _generate)
         record.method(model, "forward", _forward)
+        state.gemv_bindings = record.child()  # under fusion's: a fused group falls back to its projections' forwards
         state.fuse_bindings = record.child()  # before compile_decode's: its wrappers sit over the fused MLPs
         state.compile_bindings = record.child()
         _set_compiled(model, state)
@@ -669,11 +673,14 @@ def _check_settings(model, config: QuestConfig) -> None:
 
 
 def _set_compiled(model, state: _PatchState) -> None:
-    """Fuse or unfuse the projections to match `config.fuse_projections`, and wrap or unwrap the decode-only
-    compiled norms/MLPs to match `config.compile_decode` and its backend. The compiled wrappers are bound over the
-    fused MLP forwards, so a fusion change takes them off first and puts them back after."""
+    """Bind or unbind the batch-1 decode GEMV, fuse or unfuse the projections, and wrap or unwrap the decode-only
+    compiled norms/MLPs to match `config.decode_gemv`, `config.fuse_projections` and `config.compile_decode` (with
+    its backend). Each sits over the one before (the GEMV forwards, the fused groups, the compiled wrappers), so a
+    change takes off what sits over it first and puts it back after."""
     cfg, compiled = state.config, state.compiled
-    refusion = (state.fused is not None) != cfg.fuse_projections  # fusion turns on or off
+    gemv_on = _decode_gemv_on(model, cfg)
+    regemv = (state.gemv is not None) != gemv_on
+    refusion = regemv or (state.fused is not None) != cfg.fuse_projections  # fusion turns on or off, or rebinds
     if compiled is not None and (refusion or not cfg.compile_decode or compiled.backend != cfg.compile_backend
                                  or compiled.device_types != cfg._compile_devices):
         state.compile_bindings.restore()
@@ -681,15 +688,31 @@ def _set_compiled(model, state: _PatchState) -> None:
     if refusion and state.fused is not None:
         state.fuse_bindings.restore()  # each projection gets a copy of its own weight back
         state.fused = None
-    elif refusion:
+    if regemv and state.gemv is not None:
+        state.gemv_bindings.restore()
+        state.gemv = None
+    elif regemv:
+        state.gemv = bind_decode_gemv(model, state.gemv_bindings)
+    if refusion and cfg.fuse_projections:
         try:
-            state.fused = fuse_projections(model, state.fuse_bindings)
+            state.fused = fuse_projections(model, state.fuse_bindings, gemv=gemv_on)
         except BaseException:
             state.fuse_bindings.restore()  # nothing half-fused stays behind
             raise
     if cfg.compile_decode and state.compiled is None:
         state.compiled = compile_decode_modules(model, state.compile_bindings, cfg.compile_backend,
                                                 cfg._compile_devices)
+
+
+def _decode_gemv_on(model, cfg: QuestConfig) -> bool:
+    """`decode_gemv` resolved for `model`: True/False as given; "auto": the model's weights on CUDA, Triton there,
+    and the backend not "torch"."""
+    if cfg.decode_gemv != "auto":
+        return cfg.decode_gemv
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda" or cfg.backend == "torch":
+        return False
+    return triton_unavailable_reason(param.device) is None
 
 
 def unpatch_model(model):

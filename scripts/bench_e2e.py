@@ -28,8 +28,9 @@ from whole calls, (t(new tokens) - t(1 token)) / (new tokens - 1)).
 Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop check is deferred.
 A quest method may name another policy, page size and bounds: `quest_graph_c:qcode1_2s/32`, `quest_graph_c:quest/16/int8`;
 a 4th field `fused` adds fuse_projections=True (`quest_graph_c:quest/16/key_dtype/fused`), `sep` sets fused_step=False
-(the separate score / Top-K / attention kernels); the row's same_as_unfused compares its tokens with the same
-method's run without that field, when that ran first.
+(the separate score / Top-K / attention kernels), `cublas` sets decode_gemv=False (cuBLAS's GEMVs), joined by '+'
+(`.../fused+cublas`); the row's same_as_unfused compares its tokens with the same method's run without that field,
+when that ran first.
 `--calibrated FILE` adds one captured row (the defaults otherwise) per config of a `scripts/calibrate.py` result:
 per-layer budgets and dense layers as calibrated, named `calibrated:<file stem>=<budget>`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
@@ -201,9 +202,10 @@ def main(argv=None):
                     policy, _, page = policy.partition("/")
                     page, _, bounds = page.partition("/")
                     bounds, _, extra = bounds.partition("/")
-                    if config is None and extra not in ("", "fused", "sep"):
-                        raise SystemExit(f"{full!r}: the method's 4th field can only be 'fused' (fuse_projections) "
-                                         "or 'sep' (fused_step=False)")
+                    flags = set(extra.split("+")) - {""}
+                    if config is None and not flags <= {"fused", "sep", "cublas"}:
+                        raise SystemExit(f"{full!r}: the method's 4th field joins by '+' 'fused' (fuse_projections), "
+                                         "'sep' (fused_step=False) and 'cublas' (decode_gemv=False)")
                     if config is not None:
                         method = "quest_graph_c"
                     kw = dict(num_beams=args.beams) if args.beams > 1 else {}
@@ -223,7 +225,8 @@ def main(argv=None):
                                     compile_capacity={"quest_exact": "exact", "quest_bucket": "bucket"}.get(method, "auto"),
                                     compile_wrapper="python" if method == "quest_pywrap" else "auto",
                                     policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype",
-                                    fuse_projections=extra == "fused", fused_step=False if extra == "sep" else "auto")
+                                    fuse_projections="fused" in flags, fused_step=False if "sep" in flags else "auto",
+                                    decode_gemv=False if "cublas" in flags else "auto")
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
@@ -248,7 +251,7 @@ def main(argv=None):
                         if not same and out.shape == ref.shape:  # the first new token that differs
                             first_diff = int((out != ref).any(0).nonzero()[0])
                     same_unfused = first_diff_unfused = None
-                    if config is None and extra in ("fused", "sep") and out is not None:  # against the method without it
+                    if config is None and extra and out is not None:  # against the method without it
                         plain = full[:-len("/" + extra)]
                         plain = plain.removesuffix("/key_dtype").removesuffix(":quest/16")
                         for name in (plain, full[:-len("/" + extra)]):

@@ -1,0 +1,76 @@
+"""GPU-marked: the batch-1 decode GEMV (triton_kernels/gemv.py) compiled at real projection sizes against
+F.linear (cuBLAS), fused weights bitwise equal to their parts, inside a CUDA graph, and `decode_gemv="auto"` on a
+patched CUDA model (bound, served by the captured decode, logits close to cuBLAS's, tokens equal on a tiny model).
+
+Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu/test_gpu_decode_gemv.py`.
+"""
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own spelling
+
+from quest_hf import QuestCache, patch_model, release_cache, unpatch_model
+from quest_hf.bench import random_llama
+from triton_kernels.gemv import gemv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("N,K", [(4096, 4096), (12288, 4096), (4096, 11008), (1024, 4096), (28672, 4096),
+                                 (32000, 4096), (1000, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_matches_cublas_at_real_sizes(N, K, dtype):
+    g = torch.Generator(DEV).manual_seed(N + K)
+    w = (torch.randn(N, K, device=DEV, generator=g) / K**0.5).to(dtype)
+    x = torch.randn(1, 1, K, device=DEV, generator=g).to(dtype)
+    b = torch.randn(N, device=DEV, generator=g).to(dtype)
+    out = torch.full((1, 1, N), float("nan"), device=DEV, dtype=dtype)
+    got = gemv(x, w, b, out=out)
+    assert not got.isnan().any()
+    want = F.linear(x.float(), w.float(), b.float())
+    ulp = dict(zip((torch.float16, torch.bfloat16), (2**-10, 2**-7)))[dtype]
+    err = (got.float() - want).abs() / want.abs().clamp_min(1.0)
+    assert err.max().item() <= ulp  # within one rounding step of the fp32 product (rounded once to dtype)
+
+
+def test_gemv_fused_weight_equals_its_parts_and_replays_in_a_graph():
+    g = torch.Generator(DEV).manual_seed(1)
+    parts = [(torch.randn(n, 4096, device=DEV, generator=g) / 64).half() for n in (4096, 1024, 1024)]
+    x = torch.randn(1, 4096, device=DEV, generator=g).half()
+    fused = gemv(x, torch.cat(parts))
+    assert torch.equal(fused, torch.cat([gemv(x, w) for w in parts], -1))
+    out = torch.empty(1, 6144, device=DEV, dtype=torch.half)
+    w = torch.cat(parts)
+    gemv(x, w, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv(x, w, out=out)
+    out.zero_()
+    x.copy_(torch.randn(1, 4096, device=DEV, generator=g).half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv(x, w))
+
+
+def test_decode_gemv_auto_on_a_cuda_model_serves_the_captured_decode():
+    torch.manual_seed(0)
+    model = random_llama("tiny", torch.float16, torch.device(DEV), 4096)
+    ids = torch.randint(2, 1000, (1, 300), device=DEV, generator=torch.Generator(DEV).manual_seed(3))
+    outs = {}
+    for on in (False, "auto"):
+        patch_model(model, budget=64, page_size=16, decode_gemv=on)
+        record = model._quest_state.gemv
+        assert (record is not None) == (on == "auto")
+        if record is not None:
+            assert len(record.bound) == 7 * len(model.model.layers) and not record.skipped
+        cache = QuestCache.from_model(model, max_length=ids.shape[1] + 24)
+        outs[on] = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=24,
+                                  do_sample=False, return_dict_in_generate=True, output_logits=True)
+        assert cache.decode_path == "captured"
+        if record is not None:
+            assert record.calls > 0  # the capture ran the projections' forwards through the GEMV
+        release_cache(model)
+        unpatch_model(model)
+    assert torch.equal(outs[False].sequences, outs["auto"].sequences)
+    torch.testing.assert_close(torch.stack(outs["auto"].logits), torch.stack(outs[False].logits), atol=5e-2, rtol=1e-2)
