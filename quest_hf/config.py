@@ -87,16 +87,17 @@ class QuestConfig:
             3.62); the C++ wrapper's compile takes longer (first step 119 vs 48 s at 16 layers; the whole 7B 258 s with
             its entry compiled apart at -O1, `compiled.cpp_wrapper_options`, 506 s built whole: run16). Under "auto"
             a C++ wrapper that cannot compile gives way to the Python one, with a warning (`compiled_step.cpp_failed`).
-        fuse_projections: `False` (default). `True`: at patch time each decoder layer's `q_proj`/`k_proj`/`v_proj`
-            (plain `nn.Linear`s of one input) and its LlamaMLP-style `gate_proj`/`up_proj` get one concatenated
-            weight (and bias), their own Parameters becoming views into it (no memory duplicated), so a step runs
-            one matmul per group instead of three and two (quest_hf/fuse_proj.py; with `compile_decode` the fused
-            MLP is what compiles). Aimed at batch-1 decode, where the weight GEMVs and their split-K reduce kernels
-            dominate the step. On an H200 (benchmarks/e2e/run18) the captured step goes 6.00 -> 5.52 ms/token at
-            Llama-2-7B/32K and 7.10 -> 6.65 at Llama-3-8B/128K, but cuBLAS's one GEMM over the concatenated weight
-            does not round as the separate ones: the greedy tokens of those random-weight models differ from the
-            unfused run's (near ties flip; a tiny model's 24 tokens are the same, tests/gpu/test_gpu.py); hence off
-            by default. Layers
+        fuse_projections: `"auto"` (default): on where `decode_gemv` is (then exact, below); `True` / `False`. At
+            patch time each decoder layer's `q_proj`/`k_proj`/`v_proj` (plain `nn.Linear`s of one input) and its
+            LlamaMLP-style `gate_proj`/`up_proj` get one concatenated weight (and bias), their own Parameters
+            becoming views into it (no memory duplicated), so a decode step runs one matmul per group instead of
+            three and two (quest_hf/fuse_proj.py; with `compile_decode` the fused MLP is what compiles). With the
+            decode GEMV bound, only a one-row input takes the fused matmul, through the GEMV, whose outputs equal
+            the separate projections' bitwise; every other input (prefill, batches, beams) runs the separate
+            matmuls over the weight's parts: the model computes exactly what it computes unfused. Without the GEMV
+            (`decode_gemv=False`, `fuse_projections=True`) every input takes one cuBLAS GEMM over the concatenated
+            weight, which does not round as the separate ones (an H200, benchmarks/e2e/run18: Llama-2-7B/32K 6.00 ->
+            5.52 ms/token, and the greedy tokens of random-weight models differed from the unfused run's). Layers
             whose modules do not fit are left unfused; `model._quest_state.fused` lists what was fused and why the
             rest was not. While patched the q/k/v (gate/up) weights share one storage (transformers 5.24's
             `save_pretrained` still writes and reloads them exactly); `unpatch_model`, or re-patching with
@@ -188,7 +189,7 @@ class QuestConfig:
     compile_step: bool | str = "auto"
     compile_capacity: str = "auto"
     compile_wrapper: str = "auto"
-    fuse_projections: bool = False
+    fuse_projections: bool | str = "auto"
     decode_gemv: bool | str = "auto"
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
@@ -243,11 +244,11 @@ class QuestConfig:
             raise ValueError(f"compile_capacity must be 'auto', 'bucket' or 'exact', got {self.compile_capacity!r}")
         if self.compile_wrapper not in ("auto", "cpp", "python"):
             raise ValueError(f"compile_wrapper must be 'auto', 'cpp' or 'python', got {self.compile_wrapper!r}")
-        for name in ("fused_step", "decode_gemv"):
+        for name in ("fused_step", "decode_gemv", "fuse_projections"):
             if getattr(self, name) not in (True, False, "auto") or getattr(self, name) in (0, 1) and not isinstance(
                     getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
-        for name in ("compile_decode", "defer_stop_check", "fuse_projections"):
+        for name in ("compile_decode", "defer_stop_check"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

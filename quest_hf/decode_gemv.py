@@ -24,6 +24,8 @@ from transformers.utils import logging
 
 from triton_kernels.gemv import gemv, gemv_takes
 
+__all__ = ["DecodeGemv", "bind_decode_gemv", "gemv_op", "gemv_takes", "linear"]
+
 from . import families
 from .binding import Bindings, Method
 
@@ -36,7 +38,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 @dataclass
 class DecodeGemv:
     """What `bind_decode_gemv` bound on one model: `bound` projections ("layer 3 q_proj"), `skipped` ones with the
-    reason, and `calls`: eager one-row calls served so far."""
+    reason, and `calls`: eager one-row calls served so far (a fused group's one call for its projections)."""
 
     bound: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
@@ -54,20 +56,21 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x, weight, bias=None, on: bool = True):
-    """`F.linear`, through `quest_hf::gemv` where `on` and the GEMV takes the call (`gemv_takes`: one row)."""
-    if on and gemv_takes(x, weight):
+def linear(x, weight, bias=None, record: DecodeGemv | None = None):
+    """`F.linear`, through `quest_hf::gemv` where a `record` is given (the GEMV bound on this model) and the GEMV
+    takes the call (`gemv_takes`: one row), counted in the record outside a compiled region."""
+    if record is not None and gemv_takes(x, weight):
+        if not torch.compiler.is_compiling():
+            record.calls += 1
         return gemv_op(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _gemv_forward(method: Method, x, *args, **kwargs):
     """A projection's forward (bound by `bind_decode_gemv`): one row through the GEMV, the rest as before."""
-    module, record = method.__self__, method.data
+    module = method.__self__
     if not args and not kwargs and gemv_takes(x, module.weight):
-        if not torch.compiler.is_compiling():
-            record.calls += 1
-        return gemv_op(x, module.weight, module.bias)
+        return linear(x, module.weight, module.bias, method.data)
     return method.original(x, *args, **kwargs)
 
 

@@ -25,11 +25,12 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 from transformers.utils import logging
 
 from . import families
 from .binding import Bindings, Method
-from .decode_gemv import linear
+from .decode_gemv import gemv_takes, linear
 
 logger = logging.get_logger("quest_hf")
 
@@ -58,7 +59,7 @@ class FusedLinears:
     `function`: for a group whose owner's forward is replaced (the MLP's), the module-level function it runs,
     `function(owner, x, *operands())`; the group's modules are then skipped (and a hook on one unfuses the call)."""
 
-    def __init__(self, modules: list, name: str, function=None, gemv: bool = False):
+    def __init__(self, modules: list, name: str, function=None, gemv=None):
         self.modules, self.name, self.function, self.gemv = modules, name, function, gemv
         self.sizes = tuple(m.out_features for m in modules)
         self.bypass = function is not None
@@ -100,8 +101,8 @@ class FusedLinears:
             if all(o is None for o in last[2]):
                 self.last = None
             return out
-        if not self.intact():
-            return None
+        if not self.intact() or (self.gemv is not None and not gemv_takes(x, self.weight)):
+            return None  # under the GEMV, what it does not take runs each projection's own matmul (bitwise unfused)
         outs = list(linear(x, self.weight, self.bias, self.gemv).split(self.sizes, dim=-1))
         out, outs[i] = outs[i], None
         self.last = (x, version, outs)
@@ -129,15 +130,22 @@ def _projection_forward(method: Method, x, *args, **kwargs):
     return out if out is not None else method.original(x, *args, **kwargs)
 
 
-def gate_up_forward(mlp, x, weight, bias, sizes, gemv=False):
+def gate_up_forward(mlp, x, weight, bias, sizes, gemv=None):
     """LlamaMLP's `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, gate and up from one matmul over [W_gate; W_up].
 
     The product is taken in place in `act_fn(gate)`'s output: the [gate | up] output lives until the product is
     done (both halves are views of it), so a fresh product would hold one more up-sized tensor than HF's unfused
     forward at its peak (a 128K-token Llama-3-8B prefill: 3.5 GiB, benchmarks/e2e/run18). Where autograd records
     the activation (an input that requires grad) the product is a fresh tensor, as autograd may need it; where
-    act_fn returns its input, that input is a view of this call's own buffer, so nothing else sees the change."""
-    gate, up = linear(x, weight, bias, gemv).split(sizes, dim=-1)
+    act_fn returns its input, that input is a view of this call's own buffer, so nothing else sees the change.
+    `gemv` (the batch-1 decode GEMV's record where it is bound, `decode_gemv`): one row goes through it over the
+    fused weight; other
+    inputs (prefill, batches) take gate and up by separate matmuls over the weight's halves, as the unfused MLP."""
+    if gemv is not None and not gemv_takes(x, weight):
+        parts = zip(weight.split(sizes), (None, None) if bias is None else bias.split(sizes))
+        gate, up = (F.linear(x, w, b) for w, b in parts)
+    else:
+        gate, up = linear(x, weight, bias, gemv).split(sizes, dim=-1)
     act = mlp.act_fn(gate)
     return mlp.down_proj(act * up if act.requires_grad else act.mul_(up))
 
@@ -176,10 +184,11 @@ def _qkv_reason(attn) -> str | None:
     return None
 
 
-def fuse_projections(model, bindings: Bindings, gemv: bool = False) -> Fusion:
+def fuse_projections(model, bindings: Bindings, gemv=None) -> Fusion:
     """Fuse each decoder layer's q/k/v and LlamaMLP-style gate/up projections, recording every replacement in
-    `bindings` (whose restore unfuses); returns what was fused. `gemv`: a group's one-row matmul goes through the
-    batch-1 GEMV (`decode_gemv`; the projections' own forwards then are its, bound before)."""
+    `bindings` (whose restore unfuses); returns what was fused. `gemv`: the batch-1 GEMV's `DecodeGemv` record where
+    it is bound (`decode_gemv`; the projections' own forwards are then its, bound before): a group's one-row matmul
+    goes through it, every other input through the projections' own."""
     fusion = Fusion()
     _, layers = families._decoder_layers(model)
     for j, layer in enumerate(layers):

@@ -679,8 +679,9 @@ def _set_compiled(model, state: _PatchState) -> None:
     change takes off what sits over it first and puts it back after."""
     cfg, compiled = state.config, state.compiled
     gemv_on = _decode_gemv_on(model, cfg)
+    fuse_on = gemv_on if cfg.fuse_projections == "auto" else cfg.fuse_projections
     regemv = (state.gemv is not None) != gemv_on
-    refusion = regemv or (state.fused is not None) != cfg.fuse_projections  # fusion turns on or off, or rebinds
+    refusion = regemv or (state.fused is not None) != fuse_on  # fusion turns on or off, or rebinds
     if compiled is not None and (refusion or not cfg.compile_decode or compiled.backend != cfg.compile_backend
                                  or compiled.device_types != cfg._compile_devices):
         state.compile_bindings.restore()
@@ -693,9 +694,9 @@ def _set_compiled(model, state: _PatchState) -> None:
         state.gemv = None
     elif regemv:
         state.gemv = bind_decode_gemv(model, state.gemv_bindings)
-    if refusion and cfg.fuse_projections:
+    if refusion and fuse_on:
         try:
-            state.fused = fuse_projections(model, state.fuse_bindings, gemv=gemv_on)
+            state.fused = fuse_projections(model, state.fuse_bindings, gemv=state.gemv)
         except BaseException:
             state.fuse_bindings.restore()  # nothing half-fused stays behind
             raise

@@ -82,7 +82,7 @@ def test_decode_gemv_serves_one_sequence_decode_and_unbinds(single_thread):
     patch_model(model, budget=32, dense_layers=1)  # "auto" on CPU: not bound
     assert model._quest_state.gemv is None and QuestConfig().decode_gemv == "auto"
     plain = _gen(model, ids)
-    patch_model(model, budget=32, dense_layers=1, decode_gemv=True)
+    patch_model(model, budget=32, dense_layers=1, decode_gemv=True, fuse_projections=False)
     record = model._quest_state.gemv
     n = model.config.num_hidden_layers
     assert len(record.bound) == n * (len(ATTN) + len(MLP)) and not record.skipped
@@ -100,13 +100,16 @@ def test_decode_gemv_serves_one_sequence_decode_and_unbinds(single_thread):
 def test_decode_gemv_fused_equals_unfused_bitwise_and_traces_compiled(single_thread):
     model = tiny_model("qwen2")  # q/k/v biases
     ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(4))
-    patch_model(model, budget=32, dense_layers=1, decode_gemv=True)
+    patch_model(model, budget=32, dense_layers=1, decode_gemv=True, fuse_projections=False)
     unfused = _gen(model, ids)
     patch_model(model, budget=32, dense_layers=1, decode_gemv=True, fuse_projections=True)
     state = model._quest_state
     assert state.fused.qkv and state.fused.gate_up and state.gemv is not None
+    before = state.gemv.calls  # the record stays while the GEMV stays bound (140 from the unfused run)
     fused = _gen(model, ids)
     assert torch.equal(fused.sequences, unfused.sequences)
+    n = model.config.num_hidden_layers
+    assert state.gemv.calls - before == 5 * n * 4  # a layer: q/k/v in one call, o, gate/up in one, down
     assert torch.equal(torch.stack(fused.logits), torch.stack(unfused.logits))
     patch_model(model, budget=32, dense_layers=1, decode_gemv=True, fuse_projections=True, **COMPILE_ON_CPU)
     compiled = _gen(model, ids)

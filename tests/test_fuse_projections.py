@@ -170,7 +170,13 @@ def test_unfit_layers_stay_unfused_and_broken_views_fall_back(single_thread):
                                    rtol=1e-10)
 
 
-def test_fuse_projections_is_a_bool_off_by_default():
-    assert QuestConfig().fuse_projections is False
-    with pytest.raises(TypeError, match="fuse_projections must be True or False"):
+def test_fuse_projections_is_auto_by_default_and_follows_the_gemv():
+    assert QuestConfig().fuse_projections == "auto"
+    with pytest.raises(ValueError, match="fuse_projections must be True, False or 'auto'"):
         QuestConfig(fuse_projections=1)
+    model = tiny_model("llama")
+    patch_model(model, budget=32)  # CPU: no decode GEMV, so "auto" fuses nothing
+    assert model._quest_state.gemv is None and model._quest_state.fused is None
+    patch_model(model, budget=32, decode_gemv=True)  # interpreter: the GEMV binds, and "auto" fuses over it
+    assert model._quest_state.gemv is not None and model._quest_state.fused.qkv
+    unpatch_model(model)

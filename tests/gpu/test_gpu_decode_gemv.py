@@ -58,10 +58,12 @@ def test_decode_gemv_auto_on_a_cuda_model_serves_the_captured_decode():
     model = random_llama("tiny", torch.float16, torch.device(DEV), 4096)
     ids = torch.randint(2, 1000, (1, 300), device=DEV, generator=torch.Generator(DEV).manual_seed(3))
     outs = {}
-    for on in (False, "auto"):
-        patch_model(model, budget=64, page_size=16, decode_gemv=on)
+    for on in (False, "unfused", "auto"):
+        patch_model(model, budget=64, page_size=16, decode_gemv="auto" if on else False,
+                    fuse_projections=False if on == "unfused" else "auto")
+        assert (model._quest_state.fused is not None) == (on == "auto")
         record = model._quest_state.gemv
-        assert (record is not None) == (on == "auto")
+        assert (record is not None) == bool(on)
         if record is not None:
             assert len(record.bound) == 7 * len(model.model.layers) and not record.skipped
         cache = QuestCache.from_model(model, max_length=ids.shape[1] + 24)
@@ -72,5 +74,7 @@ def test_decode_gemv_auto_on_a_cuda_model_serves_the_captured_decode():
             assert record.calls > 0  # the capture ran the projections' forwards through the GEMV
         release_cache(model)
         unpatch_model(model)
+    # Fused over the GEMV: bitwise what the GEMV gives unfused (prefill by the separate matmuls, decode by one GEMV).
+    assert torch.equal(torch.stack(outs["auto"].logits), torch.stack(outs["unfused"].logits))
     assert torch.equal(outs[False].sequences, outs["auto"].sequences)
     torch.testing.assert_close(torch.stack(outs["auto"].logits), torch.stack(outs[False].logits), atol=5e-2, rtol=1e-2)
