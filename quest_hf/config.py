@@ -106,7 +106,7 @@ class QuestConfig:
             is not "torch"); `True` / `False`. Each decoder layer's plain-`nn.Linear` attention and MLP projections
             send an input of one row (a one-sequence decode token) to a Triton GEMV (triton_kernels/gemv.py,
             quest_hf/decode_gemv.py) instead of cuBLAS, which reads the weights below the copy bandwidth at batch 1
-            (an H100: 71-96% against 97-102%, benchmarks/kernels/round21); prefill, batches and beams keep cuBLAS.
+            (an H100: 5-37% faster a shape, benchmarks/kernels/round21); prefill, batches and beams keep cuBLAS.
             Rounding differs from cuBLAS's (one fp16 ulp at most on 7B/8B shapes): greedy tokens can part where two
             logits nearly tie. With `fuse_projections` a fused group's outputs equal the unfused GEMV's bitwise.
             `model._quest_state.gemv` lists what was bound, what not and why.

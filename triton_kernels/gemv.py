@@ -1,9 +1,10 @@
 """One row times a weight: `y = x @ W.T (+ b)` for a batch-1 decode token, the whole reduction in one program.
 
 At batch 1 a decode step reads every projection weight once, and cuBLAS's GEMV kernels (a split-K product and a
-reduce kernel for the square and down projections) read them at 71-96% of the copy bandwidth on an H100; this
-kernel, one program a block of `BLOCK_N` output rows streaming their weights along K, read them at 97-102%
-(benchmarks/kernels/round21: 13.3 vs 15.7 us for a 4096 x 4096 weight). Every output row is reduced in the same
+reduce kernel for the square and down projections) read the 7B/8B shapes at 71-96% of the copy bandwidth on an
+H100 (a 1024-row k/v weight at 33%); this kernel, one program a block of `BLOCK_N` output rows streaming their
+weights along K, read them at 84-102% (53%), faster on every shape by 5-37% (benchmarks/kernels/round21: 13.3 vs
+15.7 us for a 4096 x 4096 weight, 34.4 vs 40.2 for the fused 12288 x 4096). Every output row is reduced in the same
 order whatever N is (fixed launch settings, one accumulator lane per K position of a tile, one sum at the end), so a
 weight concatenated along N (fused q/k/v, gate/up) gives bitwise the outputs of its parts.
 """
