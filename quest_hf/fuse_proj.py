@@ -51,6 +51,13 @@ class Fusion:
     qkv: list = field(default_factory=list)
     gate_up: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
+    groups: list = field(default_factory=list)  # the FusedLinears, in layer order
+
+    def check(self) -> None:
+        """Before a compiled step (quest_hf/compiled.py): note whether each group is intact, which dynamo cannot
+        ask in the trace (data pointers); the trace reads the notes and recompiles when one changes."""
+        for group in self.groups:
+            group.checked = group.intact()
 
 
 class FusedLinears:
@@ -67,6 +74,7 @@ class FusedLinears:
             self.weight = torch.cat([m.weight for m in modules])
             self.bias = torch.cat([m.bias for m in modules]) if modules[0].bias is not None else None
         self.last = None  # (x, its version, the outputs not yet handed out): kept between the group's calls on x
+        self.checked = False  # `intact()` as `Fusion.check` found it before a compiled step: what a trace reads
         self.views = []  # per projection: the data pointers of its weight's and bias's views (None: no bias)
         start = 0
         for m, n in zip(modules, self.sizes):
@@ -78,7 +86,9 @@ class FusedLinears:
 
     def intact(self) -> bool:
         """Whether the fused weight still is every projection's (each weight still its view; no gradient asked
-        for; for the MLP also no hook on a projection that the fused call skips)."""
+        for; for the MLP also no hook on a projection that the fused call skips). In a compiled step: `checked`."""
+        if torch.compiler.is_compiling():
+            return self.checked
         if self.weight is None:
             return False
         grad = torch.is_grad_enabled()
@@ -94,7 +104,8 @@ class FusedLinears:
         """Projection `i` of `x`: kept from the group's matmul on this very `x`, else that matmul now (keeping the
         others for their calls); None when the group is no longer intact (the caller runs its own weight)."""
         last = self.last
-        version = None if x.is_inference() else x._version
+        # dynamo traces neither is_inference() nor _version; in a traced step x is not changed between the calls
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
         if last is not None and last[0] is x and last[1] == version and last[2][i] is not None:
             out = last[2][i]
             last[2][i] = None
@@ -199,6 +210,7 @@ def fuse_projections(model, bindings: Bindings, gemv=None) -> Fusion:
             fusion.skipped[f"layer {j} q/k/v"] = why
         else:
             group = FusedLinears(mods, "q/k/v", gemv=gemv)
+            fusion.groups.append(group)
             bindings.call(group.unfuse)
             for i, m in enumerate(mods):
                 bindings.method(m, "forward", _projection_forward, data=(group, i))
@@ -211,6 +223,7 @@ def fuse_projections(model, bindings: Bindings, gemv=None) -> Fusion:
             fusion.skipped[f"layer {j} gate/up"] = why
         else:
             group = FusedLinears(mods, "gate/up", gate_up_forward, gemv=gemv)
+            fusion.groups.append(group)
             bindings.call(group.unfuse)
             bindings.set(mlp, "_quest_fused", group)  # quest_hf/fuse.py compiles gate_up_forward over it
             bindings.method(mlp, "forward", _mlp_forward, data=group)

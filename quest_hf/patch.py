@@ -278,6 +278,8 @@ def _compiled_decode(model, state: _PatchState, original, cache: QuestCache, ids
         step = state.compiled_step = CompiledStep(original, cfg.compile_backend, wrapper)
     fixed = {k: kwargs[k] for k in _STEP_CONSTANTS if k in kwargs and k not in ("use_cache", "return_dict")}
     state.cache = cache  # what the attention reads (the decoder's hook, which sets it, is not traced)
+    if state.fused is not None:
+        state.fused.check()  # whether each fused group still holds, asked here: the trace cannot
     try:
         args = (cache, state.cache_arg, ids, kwargs.get("position_ids"), kwargs.get("attention_mask"), fixed)
         out = step.step(*args)

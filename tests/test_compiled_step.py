@@ -66,6 +66,49 @@ def test_beams_and_seeded_sampling_give_the_eager_tokens():
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True), sampled)
 
 
+def test_fused_projections_and_the_gemv_trace_into_the_step(monkeypatch):
+    """fuse_projections with the decode GEMV (the CUDA defaults; here the GEMV runs in the interpreter) inside the
+    compiled step: the fused matmuls are traced (no graph break on the checks dynamo cannot ask), the tokens are the
+    eager step's; a group whose view is broken between generates recompiles to the unfused projections, same tokens."""
+    from quest_hf import decode_gemv, fuse_proj
+
+    traced = {fuse_proj: set(), decode_gemv: set()}  # (in a trace, rows): a set, whose size settles (a guard)
+
+    def spy(module):
+        real = module.linear
+
+        def linear(x, weight, *args):
+            traced[module].add((torch.compiler.is_compiling(), weight.shape[0]))
+            return real(x, weight, *args)
+        monkeypatch.setattr(module, "linear", linear)
+
+    spy(fuse_proj)
+    spy(decode_gemv)
+    model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
+    ids, mask = left_padded_batch(lengths=(90,))  # batch 1: the row the GEMV takes
+    kw = dict(budget=32, page_size=16, dense_layers=1, fuse_projections=True, decode_gemv=True)
+    patch_model(model, **kw)
+    eager = _generate(model, ids, mask)
+    patch_model(model, **kw, compile_step=True)
+    assert torch.equal(_generate(model, ids, mask), eager)
+    state = model._quest_state
+    step = state.compiled_step
+    assert step.failed is None and step.traced_calls == NEW - 1
+    cfg = model.config
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    qkv, gate_up = cfg.num_attention_heads * cfg.head_dim + 2 * kv, 2 * cfg.intermediate_size
+    assert {(True, qkv), (True, gate_up)} <= traced[fuse_proj]  # both fused matmuls inside the trace
+    assert (True, kv) not in traced[decode_gemv]  # no k_proj of its own
+    assert all(g.checked for g in state.fused.groups) and len(state.fused.groups) == 6
+    k = model.model.layers[1].self_attn.k_proj
+    k.weight.data = k.weight.data.clone()  # no longer a view of the fused weight: the group must not run
+    assert torch.equal(_generate(model, ids, mask), eager)
+    assert step.failed is None and step.traced_calls == 2 * (NEW - 1)
+    assert not state.fused.groups[2].checked and sum(g.checked for g in state.fused.groups) == 5
+    assert (True, kv) in traced[decode_gemv]  # layer 1's k_proj (and q, v) ran their own GEMV in the new trace
+    unpatch_model(model)
+
+
 def test_cpp_wrapper_gives_the_eager_tokens():
     """compile_wrapper="cpp" (the CUDA default, here on CPU): inductor's C++ wrapper runs the traced step's kernels;
     batch 2, left padding, GQA, a sparse budget give the eager step's tokens."""
