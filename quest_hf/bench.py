@@ -277,23 +277,28 @@ def _env_prefix() -> str:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def topk_launch_fields(settings: Sequence[str]) -> dict:
-    """`TopKLaunch` fields from `NAME=VALUE` strings (names in any case; values ints, `None`, `True` or `False`),
-    e.g. `["tail_tile=64"]`; an unknown name or a missing value exits with what to write instead."""
+def launch_fields(cls, settings: Sequence[str]) -> dict:
+    """Fields of the launch dataclass `cls` from `NAME=VALUE` strings (names in any case; values ints, `None`, `True`
+    or `False`), e.g. `["tail_tile=64"]`; an unknown name or a missing value exits with what to write instead."""
     import dataclasses
 
-    from triton_kernels import topk as topk_mod
-
-    names = {f.name for f in dataclasses.fields(topk_mod.TopKLaunch)}
+    names = {f.name for f in dataclasses.fields(cls)}
     fields = {}
     for kv in settings:
         key, sep, value = kv.partition("=")
         key = key.lower()
         if not sep or key not in names:
-            raise SystemExit(f"Top-K launch settings are TopKLaunch fields as NAME=VALUE ({', '.join(sorted(names))}), "
+            raise SystemExit(f"{cls.__name__} settings are its fields as NAME=VALUE ({', '.join(sorted(names))}), "
                              f"got {kv!r}")
         fields[key] = None if value == "None" else (value == "True" if value in ("True", "False") else int(value))
     return fields
+
+
+def topk_launch_fields(settings: Sequence[str]) -> dict:
+    """`TopKLaunch` fields from `NAME=VALUE` strings (`launch_fields`)."""
+    from triton_kernels import topk as topk_mod
+
+    return launch_fields(topk_mod.TopKLaunch, settings)
 
 
 def set_topk_launch(settings: Sequence[str]):
@@ -306,6 +311,18 @@ def set_topk_launch(settings: Sequence[str]):
 
     topk_mod.TOPK_LAUNCH = dataclasses.replace(topk_mod.TOPK_LAUNCH, **topk_launch_fields(settings))
     return topk_mod.TOPK_LAUNCH
+
+
+def set_gemv_launch(settings: Sequence[str]):
+    """Replace the decode GEMV's module default (`triton_kernels.gemv.GEMV_LAUNCH`, read at every `gemv` call without
+    `launch=`) by one with these `GemvLaunch` fields: a benchmark's `--gemv-launch` (e.g. `pdl=False`). Returns the
+    launch now in force."""
+    import dataclasses
+
+    from triton_kernels import gemv as gemv_mod
+
+    gemv_mod.GEMV_LAUNCH = dataclasses.replace(gemv_mod.GEMV_LAUNCH, **launch_fields(gemv_mod.GemvLaunch, settings))
+    return gemv_mod.GEMV_LAUNCH
 
 
 def ints(s: str) -> list[int]:

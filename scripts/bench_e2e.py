@@ -63,7 +63,15 @@ import transformers
 
 from quest_hf import patch_model, unpatch_model
 from quest_hf.bench import MODEL_SHAPES as SHAPES
-from quest_hf.bench import Clock, copy_bandwidth, decode_floor_bytes, results_dir, set_topk_launch, time_calls
+from quest_hf.bench import (
+    Clock,
+    copy_bandwidth,
+    decode_floor_bytes,
+    results_dir,
+    set_gemv_launch,
+    set_topk_launch,
+    time_calls,
+)
 from quest_hf.bench import random_llama as build
 
 METHODS = ("dense", "static", "static_defer", "quest", "quest_exact", "quest_bucket", "quest_pywrap", "quest_uncompiled",
@@ -174,9 +182,13 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="JSON path; a .md beside it (default results/bench_e2e/e2e.json)")
     p.add_argument("--topk-launch", nargs="*", default=[], metavar="NAME=VALUE",
                    help="TopKLaunch fields in force for every Quest row (e.g. tail_tile=64; default: the library's)")
+    p.add_argument("--gemv-launch", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="GemvLaunch fields of the decode GEMV for every Quest row (e.g. pdl=False; default: the library's)")
     args = p.parse_args(argv)
     if args.topk_launch:
         print(f"Top-K launch: {set_topk_launch(args.topk_launch)}", flush=True)
+    if args.gemv_launch:
+        print(f"GEMV launch: {set_gemv_launch(args.gemv_launch)}", flush=True)
     args.out = args.out or str(results_dir("bench_e2e") / "e2e.json")
     for m in args.methods:
         base, _, policy = m.partition(":")
@@ -357,6 +369,7 @@ def write(args, rows) -> str:
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, transformers=transformers.__version__, dtype=args.dtype,
                 new_tokens=args.new_tokens, topk_launch=" ".join(args.topk_launch) or "default",
+                gemv_launch=" ".join(args.gemv_launch) or "default",
                 copy_gb_s=None if args.bandwidth is None else round(args.bandwidth / 1e9, 1))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_out, interpreting, next_pow2, require_triton, tl, triton
+from ._common import check_out, interpreting, next_pow2, pdl_available, require_triton, tl, triton
 
 __all__ = ["gemv", "gemv_ref", "GemvLaunch", "GEMV_LAUNCH", "gemv_takes"]
 
@@ -29,6 +29,9 @@ class GemvLaunch:
     block_k: int = 1024
     num_warps: int = 8
     num_stages: int = 3
+    # Launched programmatically dependent on the kernel before (Hopper or newer, `pdl_available`): the programs start
+    # as that kernel's last ones end and load their first weight tile before waiting for its output.
+    pdl: bool = True
 
 
 GEMV_LAUNCH = GemvLaunch()
@@ -69,15 +72,26 @@ def gemv_takes(x, weight) -> bool:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x, stride_wn, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # One program: BLOCK_N output rows. Each K position of a tile keeps its own fp32 partial sum across the tiles,
     # summed once at the end: the order of a row's sum depends on K and the launch settings only, never on N.
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     m_n = o_n < N
     p_w = w_ptr + o_n[:, None].to(tl.int64) * stride_wn + o_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first tile apart: its weights do not depend on the kernel before, so under a programmatic dependent launch
+    # they are loaded before waiting for that kernel (which wrote x). Same sums in the same order either way.
+    m_k = o_k < K
+    if EVEN_K:
+        w = tl.load(p_w, mask=m_n[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0, eviction_policy="evict_first")
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + o_k * stride_x, mask=m_k, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(p_w + k0, mask=m_n[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptr + (k0 + o_k) * stride_x)
@@ -105,9 +119,10 @@ def gemv(x, weight, bias=None, *, out=None, launch: GemvLaunch | None = None):
     elif not out.is_contiguous():
         raise ValueError("out must be contiguous")
     block_k = min(launch.block_k, next_pow2(K))
+    pdl = launch.pdl and pdl_available(weight.device)
     _gemv_kernel[(triton.cdiv(N, launch.block_n),)](
         x, weight, weight if bias is None else bias, out, N, K, x.stride(-1), weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        HAS_BIAS=bias is not None, BLOCK_N=launch.block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PDL=pdl,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -10,7 +10,8 @@ import torch.nn.functional as F  # noqa: N812 - torch's own spelling
 
 from quest_hf import QuestCache, patch_model, release_cache, unpatch_model
 from quest_hf.bench import random_llama
-from triton_kernels.gemv import gemv
+from triton_kernels._common import pdl_available
+from triton_kernels.gemv import GemvLaunch, gemv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -51,6 +52,43 @@ def test_gemv_fused_weight_equals_its_parts_and_replays_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv(x, w))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not pdl_available(torch.device(DEV)),
+                    reason="needs a GPU and Triton with programmatic dependent launch")
+def test_gemv_dependent_launch_waits_for_the_kernel_that_writes_x():
+    # A chain where each GEMV's input is the output of the kernel just before it (another GEMV, or an elementwise
+    # kernel), captured and replayed: a launch that read x before its writer finished would read the last replay's
+    # (or the zeroed) values. Outputs with and without the dependent launch equal bitwise, step by step.
+    g = torch.Generator(DEV).manual_seed(5)
+    ws = [(torch.randn(4096, 4096, device=DEV, generator=g) / 64).half() for _ in range(6)]
+    x0 = torch.randn(1, 4096, device=DEV, generator=g).half()
+
+    def chain(launch, outs):
+        x = x0
+        for i, w in enumerate(ws):
+            x = gemv(x, w, out=outs[i], launch=launch)
+            if i % 2:
+                x = torch.tanh(x)  # a torch kernel between two GEMVs: the writer of the next x
+        return x
+
+    runs = {}
+    for pdl in (False, True):
+        launch = GemvLaunch(pdl=pdl)
+        outs = [torch.empty(1, 4096, device=DEV, dtype=torch.half) for _ in ws]
+        want = chain(launch, outs).clone()
+        steps = [o.clone() for o in outs]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            last = chain(launch, outs)
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(last, want)
+        assert all(torch.equal(a, b) for a, b in zip(outs, steps))
+        runs[pdl] = steps
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
 
 
 def test_decode_gemv_auto_on_a_cuda_model_serves_the_captured_decode():
