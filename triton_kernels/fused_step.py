@@ -282,10 +282,14 @@ def _attend_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_FP32_DOT: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """The three-launch step's last launch: one attention split a program (head-major), each waiting on its head's
-    flag (the first launch's programs have all started before this one's do, so the waits end)."""
+    flag (the first launch's programs have all started before this one's do, so the waits end). Under PDL it lets
+    the next launch start at once (the decode GEMV of the output projection: its programs take the SM room the
+    attention leaves, load their first weight tiles and wait for this grid's end before reading its output)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     _, _, window_start = _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS, HAS_WINDOW)
     _attend_item(tl.program_id(0), q_ptr, k_ptr, v_ptr, ids_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
                  sinks_ptr, state_ptr, stride_qb, stride_qh, stride_qd,
@@ -475,7 +479,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
             _attend_kernel[(B * H * splits,)](
                 q, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out, sinks_arg, state,
                 *q.stride(), *a_strides, H, P, K_out, ids_each, splits, seq_len, page_size, window, *scales,
-                **both, **a_meta, num_warps=launch.num_warps, num_stages=launch.num_stages, **after),
+                **both, **a_meta, PDL=pdl, num_warps=launch.num_warps, num_stages=launch.num_stages, **after),
         )
         return out, ids
     quest_step.overlapped = False
