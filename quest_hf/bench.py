@@ -288,7 +288,7 @@ def launch_fields(cls, settings: Sequence[str]) -> dict:
         key, sep, value = kv.partition("=")
         key = key.lower()
         if not sep or key not in names:
-            raise SystemExit(f"{cls.__name__} settings are its fields as NAME=VALUE ({', '.join(sorted(names))}), "
+            raise SystemExit(f"launch settings are {cls.__name__} fields as NAME=VALUE ({', '.join(sorted(names))}), "
                              f"got {kv!r}")
         fields[key] = None if value == "None" else (value == "True" if value in ("True", "False") else int(value))
     return fields

@@ -126,3 +126,17 @@ def test_decode_gemv_config_is_true_false_or_auto():
     for bad in (1, "on", None):
         with pytest.raises(ValueError, match="decode_gemv must be True, False or 'auto'"):
             QuestConfig(decode_gemv=bad)
+
+
+def test_set_gemv_launch_replaces_the_default_every_call_reads(monkeypatch):
+    # bench_e2e's --gemv-launch: gemv() without launch= reads the module's GEMV_LAUNCH at each call; bad names refused.
+    from quest_hf.bench import set_gemv_launch
+    from triton_kernels import gemv as gemv_mod
+
+    monkeypatch.setattr(gemv_mod, "GEMV_LAUNCH", gemv_mod.GEMV_LAUNCH)
+    assert gemv_mod.GEMV_LAUNCH.pdl
+    launch = set_gemv_launch(["pdl=False", "BLOCK_N=8"])
+    assert gemv_mod.GEMV_LAUNCH is launch and not launch.pdl and launch.block_n == 8
+    for bad in (["pdll=False"], ["pdl"]):
+        with pytest.raises(SystemExit, match="GemvLaunch fields as NAME=VALUE"):
+            set_gemv_launch(bad)
