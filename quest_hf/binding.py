@@ -34,17 +34,12 @@ class _Missing:
 MISSING = _Missing()
 
 
-class Method:
-    """`obj.name = Method(fn, obj, name, previous)`: calling it calls `fn(method, *args, **kwargs)`.
+class _Target:
+    """What a `Method`'s function gets as its first argument (named `method` there): the object (`__self__`), the
+    attribute's `name`, what it replaced (`previous`), the binder's `data`, and `original`."""
 
-    `method.__self__` is the object, `method.original` what it replaced (the class's method bound to the object
-    when `previous` is MISSING). `fn` must be a module-level function, so that a copy of `obj` (deepcopy, pickle)
-    gets a Method bound to the copy. `__wrapped__` lets `inspect.signature` see the original's parameters.
-    """
-
-    def __init__(self, fn: Callable, obj, name: str, previous, data=None):
-        self.__func__, self.__self__, self.name, self.previous, self.data = fn, obj, name, previous, data
-        self.__doc__ = getattr(self.original, "__doc__", None)
+    def __init__(self, obj, name: str, previous, data=None):
+        self.__self__, self.name, self.previous, self.data = obj, name, previous, data
 
     @property
     def original(self):
@@ -55,12 +50,41 @@ class Method:
             return fn.__get__(self.__self__)  # the bound method itself (restored as such, e.g. accelerate's hooks)
         return self.previous
 
-    @property
-    def __wrapped__(self):
-        return self.original
 
-    def __call__(self, *args, **kwargs):
-        return self.__func__(self, *args, **kwargs)
+def _call_bound(fn, obj, name, previous, data, *args, **kwargs):
+    return fn(_Target(obj, name, previous, data), *args, **kwargs)
+
+
+class Method(functools.partial):
+    """`obj.name = Method(fn, obj, name, previous)`: calling it calls `fn(method, *args, **kwargs)`, where `method`
+    has `__self__` (the object), `name`, `previous`, `data` and `original` (what it replaced: the class's method
+    bound to the object when `previous` is MISSING).
+
+    A `functools.partial` over the function and those parts, so that dynamo traces it as one and guards each part by
+    its own rule (a module by its type): one compiled function serves every layer whose submodules carry such a
+    binding, where a callable object of another type is guarded by identity (a shared compiled MLP recompiled for
+    each layer until dynamo's recompile limit). `fn` must be a module-level function, so that a copy of `obj`
+    (deepcopy, pickle) gets a Method bound to the copy. `__wrapped__` lets `inspect.signature` see the original's
+    parameters.
+    """
+
+    def __new__(cls, fn: Callable, obj, name: str, previous, data=None):
+        return super().__new__(cls, _call_bound, fn, obj, name, previous, data)
+
+    def __reduce__(self):
+        return Method, self.args
+
+    __func__ = property(lambda self: self.args[0])
+    __self__ = property(lambda self: self.args[1])
+    name = property(lambda self: self.args[2])
+    previous = property(lambda self: self.args[3])
+    data = property(lambda self: self.args[4])
+    original = property(lambda self: _Target(*self.args[1:]).original)
+    __wrapped__ = original
+
+    @property
+    def __doc__(self):
+        return getattr(self.original, "__doc__", None)
 
     def __repr__(self):
         return f"<quest-hf {self.__func__.__name__} over {type(self.__self__).__name__}.{self.name}>"

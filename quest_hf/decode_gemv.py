@@ -56,21 +56,26 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x, weight, bias=None, record: DecodeGemv | None = None):
-    """`F.linear`, through `quest_hf::gemv` where a `record` is given (the GEMV bound on this model) and the GEMV
-    takes the call (`gemv_takes`: one row), counted in the record outside a compiled region."""
-    if record is not None and gemv_takes(x, weight):
-        if not torch.compiler.is_compiling():
-            record.calls += 1
+def linear(x, weight, bias=None, gemv=None):
+    """`F.linear`, through `quest_hf::gemv` where `gemv` says the GEMV is bound on this model and the GEMV takes the
+    call (`gemv_takes`: one row). `gemv`: the model's `DecodeGemv` record (which counts the call outside a compiled
+    region), or True in a function that `compile_decode` compiles (a record there would be a dynamo guard on its
+    identity: one more compiled graph for each model)."""
+    if gemv is not None and gemv is not False and gemv_takes(x, weight):
+        if isinstance(gemv, DecodeGemv) and not torch.compiler.is_compiling():
+            gemv.calls += 1
         return gemv_op(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _gemv_forward(method: Method, x, *args, **kwargs):
-    """A projection's forward (bound by `bind_decode_gemv`): one row through the GEMV, the rest as before."""
+    """A projection's forward (bound by `bind_decode_gemv`): one row through the GEMV, the rest as before.
+
+    The model's record is the module's `_quest_gemv`, read only outside a compiled region: what dynamo traces of
+    this binding is guarded by type alone, so `compile_decode`'s one compiled MLP serves every layer and model."""
     module = method.__self__
     if not args and not kwargs and gemv_takes(x, module.weight):
-        return linear(x, module.weight, module.bias, method.data)
+        return linear(x, module.weight, module.bias, True if torch.compiler.is_compiling() else module._quest_gemv)
     return method.original(x, *args, **kwargs)
 
 
@@ -104,7 +109,8 @@ def bind_decode_gemv(model, bindings: Bindings) -> DecodeGemv:
                 if why:
                     record.skipped[f"layer {j} {name}"] = why
                 else:
-                    bindings.method(module, "forward", _gemv_forward, data=record)
+                    bindings.set(module, "_quest_gemv", record)
+                    bindings.method(module, "forward", _gemv_forward)
                     record.bound.append(f"layer {j} {name}")
     reasons = sorted(set(record.skipped.values()))
     logger.info(f"quest-hf: batch-1 decode GEMV on {len(record.bound)} projections of {len(layers)} layers"

@@ -88,7 +88,7 @@ def _decode_forward(method: Method, x, *args, **kwargs):
         fn, key, operands = cls.forward, cls.__name__, (module, x, *args)
         fused = vars(module).get("_quest_fused")
         if fused is not None and not args and not kwargs and fused.intact():
-            fn, key, operands = fused.function, f"{key} (fused {fused.name})", (module, x, *fused.operands())
+            fn, key, operands = fused.function, f"{key} (fused {fused.name})", (module, x, *fused.operands(traced=True))
         out, ok = _run_compiled(compiled, key, fn, lambda *_, **__: eager(x, *args, **kwargs), *operands, **kwargs)
         module._quest_compiled_calls += ok
         return out

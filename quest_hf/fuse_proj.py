@@ -119,8 +119,11 @@ class FusedLinears:
         self.last = (x, version, outs)
         return out
 
-    def operands(self) -> tuple:
-        return self.weight, self.bias, self.sizes, self.gemv
+    def operands(self, traced: bool = False) -> tuple:
+        """`function`'s arguments after `(owner, x)`; `traced`: for a call that `compile_decode` compiles, where the
+        GEMV's record becomes True (`linear`)."""
+        gemv = self.gemv if not traced or self.gemv is None else True
+        return self.weight, self.bias, self.sizes, gemv
 
     def unfuse(self) -> None:
         """Give every projection still on its view a separate contiguous copy; drop the fused weight."""
@@ -149,8 +152,8 @@ def gate_up_forward(mlp, x, weight, bias, sizes, gemv=None):
     forward at its peak (a 128K-token Llama-3-8B prefill: 3.5 GiB, benchmarks/e2e/run18). Where autograd records
     the activation (an input that requires grad) the product is a fresh tensor, as autograd may need it; where
     act_fn returns its input, that input is a view of this call's own buffer, so nothing else sees the change.
-    `gemv` (the batch-1 decode GEMV's record where it is bound, `decode_gemv`): one row goes through it over the
-    fused weight; other
+    `gemv` (where the batch-1 decode GEMV is bound, `decode_gemv`: its record, or True in a compiled call; see
+    `linear`): one row goes through it over the fused weight; other
     inputs (prefill, batches) take gate and up by separate matmuls over the weight's halves, as the unfused MLP."""
     if gemv is not None and not gemv_takes(x, weight):
         parts = zip(weight.split(sizes), (None, None) if bias is None else bias.split(sizes))

@@ -122,6 +122,32 @@ def test_decode_gemv_fused_equals_unfused_bitwise_and_traces_compiled(single_thr
     unpatch_model(model)
 
 
+def test_one_compiled_mlp_serves_every_layer_and_model_under_the_gemv(single_thread):
+    # compile_decode compiles one function per MLP class (or the fused gate/up function) for every layer. The GEMV's
+    # binding on each projection must not make dynamo guard on anything a layer or a model owns alone: with such a
+    # guard each layer compiled anew and, past dynamo's recompile limit (8), the rest of the layers ran eagerly.
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from quest_hf.fuse_proj import gate_up_forward
+
+    layers = torch._dynamo.config.recompile_limit + 2
+    ids = torch.randint(2, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    for fuse, fn in ((False, LlamaMLP.forward), (True, gate_up_forward)):
+        torch._dynamo.reset()
+        for _ in range(2):  # two models: two GEMV records
+            model = tiny_model("llama", layers=layers)
+            patch_model(model, budget=32, dense_layers=1, decode_gemv=True, fuse_projections=fuse, **COMPILE_ON_CPU)
+            before = model._quest_state.gemv.calls
+            _gen(model, ids, n=3)
+            mlps = [m for m in model._quest_state.compiled.modules if isinstance(m, LlamaMLP)]
+            assert len(mlps) == layers and all(m._quest_compiled_calls == 2 for m in mlps)
+            # Counted: only the attention's eager projections (q/k/v/o, or the fused q/k/v and o), none of the MLP's.
+            assert model._quest_state.gemv.calls - before == 2 * layers * (2 if fuse else 4)
+            assert len(entries(fn.__code__)) == 1, f"fuse_projections={fuse}: {len(entries(fn.__code__))} graphs"
+            unpatch_model(model)
+
+
 def test_decode_gemv_config_is_true_false_or_auto():
     for bad in (1, "on", None):
         with pytest.raises(ValueError, match="decode_gemv must be True, False or 'auto'"):
