@@ -8,8 +8,9 @@ export PYTHONPATH=. ; O=${OUT:-results/round22}; mkdir -p $O
 E="python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --new-tokens 48"
 timeout 110 $E --budgets 2048 --methods quest_graph_c --out $O/call3_e2e_7b_32k.json > $O/call3_e2e.log 2>&1
 grep -hE '^\| llama' $O/call3_e2e_7b_32k.md; grep -c recompile_limit $O/call3_e2e.log
-timeout 170 python -m pytest -q -m gpu tests/gpu/test_gpu_decode_gemv.py tests/gpu/test_gpu_segments.py \
-  tests/gpu/test_gpu_compiled_step.py 2>&1 | tail -3 | tee -a $O/call3_gpu.txt
+timeout 100 python -m pytest -q -m gpu tests/gpu/test_gpu_decode_gemv.py tests/gpu/test_gpu_segments.py 2>&1 \
+  | tail -3 | tee -a $O/call3_gpu.txt
+timeout 170 python -m pytest -q -m gpu tests/gpu/test_gpu_compiled_step.py 2>&1 | tail -3 | tee -a $O/call3_gpu.txt
 timeout 130 $E --methods static --out $O/call3_e2e_7b_static.json >> $O/call3_e2e.log 2>&1
 grep -hE '^\| llama' $O/call3_e2e_7b_static.md
 timeout 150 python scripts/bench_e2e.py --shapes llama3-8b --lengths 131072 --budgets 2048 --new-tokens 32 \
