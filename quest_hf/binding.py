@@ -38,6 +38,8 @@ class _Target:
     """What a `Method`'s function gets as its first argument (named `method` there): the object (`__self__`), the
     attribute's `name`, what it replaced (`previous`), the binder's `data`, and `original`."""
 
+    __slots__ = ("__self__", "name", "previous", "data")
+
     def __init__(self, obj, name: str, previous, data=None):
         self.__self__, self.name, self.previous, self.data = obj, name, previous, data
 

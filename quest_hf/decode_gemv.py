@@ -61,7 +61,7 @@ def linear(x, weight, bias=None, gemv=None):
     call (`gemv_takes`: one row). `gemv`: the model's `DecodeGemv` record (which counts the call outside a compiled
     region), or True in a function that `compile_decode` compiles (a record there would be a dynamo guard on its
     identity: one more compiled graph for each model)."""
-    if gemv is not None and gemv is not False and gemv_takes(x, weight):
+    if gemv is not None and gemv_takes(x, weight):
         if isinstance(gemv, DecodeGemv) and not torch.compiler.is_compiling():
             gemv.calls += 1
         return gemv_op(x, weight, bias)
