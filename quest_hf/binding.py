@@ -2,11 +2,11 @@
 reverse.
 
 `Bindings` is one record: `set` replaces an attribute of a model, a module, a class or a Python module (keeping
-what was there, or that nothing was), `method` binds a function as a method, `item` replaces a mapping's entry,
-`call` undoes what a call did, `hook` keeps a hook handle, `child` nests a record that can be undone on its own
-(`compile_decode` toggles), and `restore` replays it all backwards. Process-wide replacements (the attention
-registration, a class attribute of transformers, a modeling file's global) are `shared`: installed by their first
-holder, removed by the last.
+what was there, or that nothing was), `method` binds a function as a method, `set_class` gives an object a subclass,
+`item` replaces a mapping's entry, `call` undoes what a call did, `hook` keeps a hook handle, `child` nests a record
+that can be undone on its own (`compile_decode` toggles), and `restore` replays it all backwards. Process-wide
+replacements (the attention registration, a class attribute of transformers, a modeling file's global) are `shared`:
+installed by their first holder, removed by the last.
 
 A patched model's record survives `copy.deepcopy` and pickling as the copy's own: `Method` is bound to the object it
 was set on (a closure would keep calling the original model), the "nothing was there" marker stays one object, and
@@ -62,12 +62,13 @@ class Method(functools.partial):
     has `__self__` (the object), `name`, `previous`, `data` and `original` (what it replaced: the class's method
     bound to the object when `previous` is MISSING).
 
-    A `functools.partial` over the function and those parts, so that dynamo traces it as one and guards each part by
-    its own rule (a module by its type): one compiled function serves every layer whose submodules carry such a
-    binding, where a callable object of another type is guarded by identity (a shared compiled MLP recompiled for
-    each layer until dynamo's recompile limit). `fn` must be a module-level function, so that a copy of `obj`
-    (deepcopy, pickle) gets a Method bound to the copy. `__wrapped__` lets `inspect.signature` see the original's
-    parameters.
+    A `functools.partial` over the function and those parts, so that dynamo traces it as one; torch >= 2.14 guards
+    such a partial set as a module's `forward` by its parts' rules (a module by its type), where earlier versions
+    guard any `forward` set on a module by its identity: a function compiled once for every layer and calling such
+    modules recompiles for each layer up to dynamo's recompile limit there. What compiled regions call on every
+    layer (the decode GEMV's projections) is therefore bound by class (`Bindings.set_class`). `fn` must be a
+    module-level function, so that a copy of `obj` (deepcopy, pickle) gets a Method bound to the copy. `__wrapped__`
+    lets `inspect.signature` see the original's parameters.
     """
 
     def __new__(cls, fn: Callable, obj, name: str, previous, data=None):
@@ -112,6 +113,12 @@ class Bindings:
         self.set(obj, name, bound)
         return bound
 
+    def set_class(self, obj, cls: type) -> None:
+        """`obj.__class__ = cls` (a subclass whose methods replace the class's: dynamo guards those by the class, where
+        it guards a forward set on the instance by that object's identity on torch < 2.14)."""
+        self._undo.append(("class", obj, type(obj)))
+        obj.__class__ = cls
+
     def item(self, mapping: dict, key, value) -> None:
         self._undo.append(("item", mapping, key, mapping.get(key, MISSING)))
         mapping[key] = value
@@ -146,6 +153,9 @@ class Bindings:
                         delattr(obj, name)
                 else:
                     setattr(obj, name, previous)
+            elif kind == "class":
+                obj, previous = entry
+                obj.__class__ = previous
             elif kind == "item":
                 mapping, key, previous = entry
                 if previous is MISSING:

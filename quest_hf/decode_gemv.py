@@ -1,13 +1,13 @@
 """Batch-1 decode projections through one Triton GEMV (`QuestConfig(decode_gemv=...)`, triton_kernels/gemv.py).
 
-A batch-1 decode step of a 7B model is mostly its weights read once by cuBLAS's GEMV kernels, which read them
-below the copy bandwidth (a split-K product plus a reduce kernel for the square and down projections). Here each
-decoder layer's attention projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`) and MLP projections (`gate_proj`,
-`up_proj`, `down_proj`), where they are plain `nn.Linear`s, get a forward that sends an input holding one row
+A batch-1 decode step of a 7B model is mostly its weights read once by cuBLAS's GEMV kernels, which read them below
+the copy bandwidth (a split-K product plus a reduce kernel for the square and down projections). Here each decoder
+layer's attention projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`) and MLP projections (`gate_proj`, `up_proj`,
+`down_proj`), where they are plain `nn.Linear`s, become `GemvLinear`s, whose forward sends an input holding one row
 (`x.numel() == in_features`: a one-sequence decode token) on a CUDA device to `quest_hf::gemv` (a custom op over
 `triton_kernels.gemv`, so `torch.compile` traces it as one opaque call) and everything else (prefill, batches,
-beams, CPU, a gradient) to the module's own forward. Fused groups (`fuse_projections`) send their one matmul
-through the same op, whose settings do not depend on N: fused and unfused give bitwise the same outputs.
+beams, CPU, a gradient) to the module's own forward. Fused groups (`fuse_projections`) send their one matmul through
+the same op, whose settings do not depend on N: fused and unfused give bitwise the same outputs.
 
 The kernel sums in another order than cuBLAS: outputs differ by rounding (one fp16 ulp at most on the 7B/8B shapes
 measured), so a model's greedy tokens can part from the cuBLAS run's where two logits nearly tie.
@@ -24,10 +24,10 @@ from transformers.utils import logging
 
 from triton_kernels.gemv import gemv, gemv_takes
 
-__all__ = ["DecodeGemv", "bind_decode_gemv", "gemv_op", "gemv_takes", "linear"]
+__all__ = ["DecodeGemv", "GemvLinear", "bind_decode_gemv", "gemv_op", "gemv_takes", "linear"]
 
 from . import families
-from .binding import Bindings, Method
+from .binding import Bindings
 
 logger = logging.get_logger("quest_hf")
 
@@ -68,21 +68,27 @@ def linear(x, weight, bias=None, gemv=None):
     return F.linear(x, weight, bias)
 
 
-def _gemv_forward(method: Method, x, *args, **kwargs):
-    """A projection's forward (bound by `bind_decode_gemv`): one row through the GEMV, the rest as before.
+class GemvLinear(torch.nn.Linear):
+    """What `bind_decode_gemv` makes of a plain `nn.Linear` (its class swapped, undone by the bindings' restore): one
+    row through the GEMV, the rest through `nn.Linear`'s forward.
 
-    The model's record is the module's `_quest_gemv`, read only outside a compiled region: what dynamo traces of
-    this binding is guarded by type alone, so `compile_decode`'s one compiled MLP serves every layer and model."""
-    module = method.__self__
-    if not args and not kwargs and gemv_takes(x, module.weight):
-        return linear(x, module.weight, module.bias, True if torch.compiler.is_compiling() else module._quest_gemv)
-    return method.original(x, *args, **kwargs)
+    A class rather than a forward set on the instance: dynamo guards a module's class-level forward by the class,
+    and one set on the instance by its identity (torch < 2.14), which made `compile_decode`'s one compiled MLP
+    recompile for each layer until dynamo's recompile limit. The model's record is the module's `_quest_gemv`, read
+    only outside a compiled region (inside, `True` stands for it: see `linear`)."""
+
+    def forward(self, x):
+        if gemv_takes(x, self.weight):
+            return linear(x, self.weight, self.bias, True if torch.compiler.is_compiling() else self._quest_gemv)
+        return F.linear(x, self.weight, self.bias)
 
 
 def _reason(module) -> str | None:
     """Why `module` cannot take the GEMV (None when it can)."""
     if type(module) is not torch.nn.Linear:  # not a subclass: quantized / LoRA / sharded linears
         return f"{type(module).__name__} is not a plain nn.Linear"
+    if "forward" in vars(module):
+        return "its forward is replaced on the module"
     params = [p for p in (module.weight, module.bias) if p is not None]
     if not all(type(p) is torch.nn.Parameter for p in params):
         return "a weight is a tensor subclass"
@@ -110,7 +116,7 @@ def bind_decode_gemv(model, bindings: Bindings) -> DecodeGemv:
                     record.skipped[f"layer {j} {name}"] = why
                 else:
                     bindings.set(module, "_quest_gemv", record)
-                    bindings.method(module, "forward", _gemv_forward)
+                    bindings.set_class(module, GemvLinear)
                     record.bound.append(f"layer {j} {name}")
     reasons = sorted(set(record.skipped.values()))
     logger.info(f"quest-hf: batch-1 decode GEMV on {len(record.bound)} projections of {len(layers)} layers"

@@ -30,7 +30,7 @@ from transformers.utils import logging
 
 from . import families
 from .binding import Bindings, Method
-from .decode_gemv import gemv_takes, linear
+from .decode_gemv import GemvLinear, gemv_takes, linear
 
 logger = logging.get_logger("quest_hf")
 
@@ -175,7 +175,7 @@ def _mlp_forward(method: Method, x, *args, **kwargs):
 def _linears(owner, names) -> tuple[list, str | None]:
     """The `names` children of `owner` as a list, or why they cannot share one weight."""
     mods = [getattr(owner, n, None) for n in names]
-    if not all(type(m) is torch.nn.Linear for m in mods):  # not a subclass: quantized / LoRA / sharded linears
+    if not all(type(m) in (torch.nn.Linear, GemvLinear) for m in mods):  # not quantized / LoRA / sharded linears
         return [], f"{'/'.join(names)} are not all plain nn.Linear"
     params = [p for m in mods for p in (m.weight, m.bias) if p is not None]
     if not all(type(p) is torch.nn.Parameter for p in params):
