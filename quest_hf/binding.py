@@ -34,14 +34,21 @@ class _Missing:
 MISSING = _Missing()
 
 
-class _Target:
-    """What a `Method`'s function gets as its first argument (named `method` there): the object (`__self__`), the
-    attribute's `name`, what it replaced (`previous`), the binder's `data`, and `original`."""
+class Method:
+    """`obj.name = Method(fn, obj, name, previous)`: calling it calls `fn(method, *args, **kwargs)`.
 
-    __slots__ = ("__self__", "name", "previous", "data")
+    `method.__self__` is the object, `method.original` what it replaced (the class's method bound to the object
+    when `previous` is MISSING). `fn` must be a module-level function, so that a copy of `obj` (deepcopy, pickle)
+    gets a Method bound to the copy. `__wrapped__` lets `inspect.signature` see the original's parameters.
 
-    def __init__(self, obj, name: str, previous, data=None):
-        self.__self__, self.name, self.previous, self.data = obj, name, previous, data
+    Dynamo guards a Method set as a module's `forward` by its identity: a function compiled once for every layer
+    must not call such modules (it would recompile for each layer up to dynamo's recompile limit). What compiled
+    regions call on every layer (the decode GEMV's projections) is bound by class instead (`Bindings.set_class`).
+    """
+
+    def __init__(self, fn: Callable, obj, name: str, previous, data=None):
+        self.__func__, self.__self__, self.name, self.previous, self.data = fn, obj, name, previous, data
+        self.__doc__ = getattr(self.original, "__doc__", None)
 
     @property
     def original(self):
@@ -52,42 +59,12 @@ class _Target:
             return fn.__get__(self.__self__)  # the bound method itself (restored as such, e.g. accelerate's hooks)
         return self.previous
 
-
-def _call_bound(fn, obj, name, previous, data, *args, **kwargs):
-    return fn(_Target(obj, name, previous, data), *args, **kwargs)
-
-
-class Method(functools.partial):
-    """`obj.name = Method(fn, obj, name, previous)`: calling it calls `fn(method, *args, **kwargs)`, where `method`
-    has `__self__` (the object), `name`, `previous`, `data` and `original` (what it replaced: the class's method
-    bound to the object when `previous` is MISSING).
-
-    A `functools.partial` over the function and those parts, so that dynamo traces it as one; torch >= 2.14 guards
-    such a partial set as a module's `forward` by its parts' rules (a module by its type), where earlier versions
-    guard any `forward` set on a module by its identity: a function compiled once for every layer and calling such
-    modules recompiles for each layer up to dynamo's recompile limit there. What compiled regions call on every
-    layer (the decode GEMV's projections) is therefore bound by class (`Bindings.set_class`). `fn` must be a
-    module-level function, so that a copy of `obj` (deepcopy, pickle) gets a Method bound to the copy. `__wrapped__`
-    lets `inspect.signature` see the original's parameters.
-    """
-
-    def __new__(cls, fn: Callable, obj, name: str, previous, data=None):
-        return super().__new__(cls, _call_bound, fn, obj, name, previous, data)
-
-    def __reduce__(self):
-        return Method, self.args
-
-    __func__ = property(lambda self: self.args[0])
-    __self__ = property(lambda self: self.args[1])
-    name = property(lambda self: self.args[2])
-    previous = property(lambda self: self.args[3])
-    data = property(lambda self: self.args[4])
-    original = property(lambda self: _Target(*self.args[1:]).original)
-    __wrapped__ = original
-
     @property
-    def __doc__(self):
-        return getattr(self.original, "__doc__", None)
+    def __wrapped__(self):
+        return self.original
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self, *args, **kwargs)
 
     def __repr__(self):
         return f"<quest-hf {self.__func__.__name__} over {type(self.__self__).__name__}.{self.name}>"
@@ -115,7 +92,7 @@ class Bindings:
 
     def set_class(self, obj, cls: type) -> None:
         """`obj.__class__ = cls` (a subclass whose methods replace the class's: dynamo guards those by the class, where
-        it guards a forward set on the instance by that object's identity on torch < 2.14)."""
+        it guards a forward set on the instance by that object's identity)."""
         self._undo.append(("class", obj, type(obj)))
         obj.__class__ = cls
 
