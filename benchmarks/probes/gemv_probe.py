@@ -67,16 +67,30 @@ def gemv(x, w, y, block_n, block_k, warps, stages):
     return y
 
 
+def library_gemv(x, w, y, block_n, block_k, warps, stages):
+    """The library's kernel (triton_kernels/gemv.py, launched dependently where PDL exists) at these settings."""
+    from triton_kernels.gemv import GemvLaunch, gemv as lib_gemv
+    return lib_gemv(x, w, out=y, launch=GemvLaunch(block_n=block_n, block_k=block_k, num_warps=warps,
+                                                   num_stages=stages))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rotate", type=int, default=6)
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default="results/gemv_probe.json")
+    p.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32], help="BLOCK_N values swept")
+    p.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024], help="BLOCK_K values swept")
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="num_warps values swept")
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="num_stages values swept")
+    p.add_argument("--library", action="store_true",
+                   help="sweep the library's GEMV (triton_kernels/gemv.py) instead of this probe's plain kernel")
     a = p.parse_args()
+    run = library_gemv if a.library else gemv
     dev, dtype = "cuda", torch.float16
     copy = copy_bandwidth(dev)
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s (read + written)", flush=True)
-    grid = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4)))
+    grid = list(itertools.product(a.block_n, a.block_k, a.warps, a.stages))
     rows = []
     for name in a.shapes:
         N, K = SHAPES[name]
@@ -92,15 +106,15 @@ def main():
             if bn * bk // (nw * 32) > 128:  # fp32 accumulator over 128 registers a thread
                 continue
             try:
-                gemv(x, ws[0], ys[0], bn, bk, nw, ns)
-                us = time_graph_chain([partial(gemv, x, w, y, bn, bk, nw, ns) for w, y in zip(ws, ys)],
+                run(x, ws[0], ys[0], bn, bk, nw, ns)
+                us = time_graph_chain([partial(run, x, w, y, bn, bk, nw, ns) for w, y in zip(ws, ys)],
                                       n=2 * a.rotate)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, and said so
                 print(f"  {name} {bn}x{bk} w{nw} s{ns}: {type(e).__name__}", flush=True)
                 continue
             if best is None or us < best[0]:
                 best = (us, dict(block_n=bn, block_k=bk, warps=nw, stages=ns))
-        gemv(x, ws[0], ys[0], **best[1])
+        run(x, ws[0], ys[0], *best[1].values())
         diff = (ys[0].float() - ref.float()).abs().max().item()
         row = dict(shape=name, N=N, K=K, mbytes=nbytes / 1e6, cublas_us=cublas, cublas_gbs=nbytes / cublas / 1e3,
                    triton_us=best[0], triton_gbs=nbytes / best[0] / 1e3, config=best[1], max_abs_diff=diff,
@@ -113,7 +127,8 @@ def main():
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=environment(dev), copy_gbs=copy / 1e9, rows=rows), indent=1))
+    out.write_text(json.dumps(dict(env=environment(dev), copy_gbs=copy / 1e9, kernel="library" if a.library else "probe",
+                                   rows=rows), indent=1))
 
 
 if __name__ == "__main__":
