@@ -69,7 +69,8 @@ def gemv(x, w, y, block_n, block_k, warps, stages):
 
 def library_gemv(x, w, y, block_n, block_k, warps, stages):
     """The library's kernel (triton_kernels/gemv.py, launched dependently where PDL exists) at these settings."""
-    from triton_kernels.gemv import GemvLaunch, gemv as lib_gemv
+    from triton_kernels.gemv import GemvLaunch
+    from triton_kernels.gemv import gemv as lib_gemv
     return lib_gemv(x, w, out=y, launch=GemvLaunch(block_n=block_n, block_k=block_k, num_warps=warps,
                                                    num_stages=stages))
 
@@ -127,8 +128,8 @@ def main():
         torch.cuda.empty_cache()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(env=environment(dev), copy_gbs=copy / 1e9, kernel="library" if a.library else "probe",
-                                   rows=rows), indent=1))
+    kernel = "library" if a.library else "probe"
+    out.write_text(json.dumps(dict(env=environment(dev), copy_gbs=copy / 1e9, kernel=kernel, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
