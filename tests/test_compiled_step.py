@@ -72,18 +72,17 @@ def test_fused_projections_and_the_gemv_trace_into_the_step(monkeypatch):
     eager step's; a group whose view is broken between generates recompiles to the unfused projections, same tokens."""
     from quest_hf import decode_gemv, fuse_proj
 
-    traced = {fuse_proj: set(), decode_gemv: set()}  # (in a trace, rows): a set, whose size settles (a guard)
-
-    def spy(module):
-        real = module.linear
+    def spy(module):  # (in a trace, rows) of each call: a set, whose size settles (a guard)
+        real, seen = module.linear, set()
 
         def linear(x, weight, *args):
-            traced[module].add((torch.compiler.is_compiling(), weight.shape[0]))
+            seen.add((torch.compiler.is_compiling(), weight.shape[0]))
             return real(x, weight, *args)
         monkeypatch.setattr(module, "linear", linear)
+        return seen
 
-    spy(fuse_proj)
-    spy(decode_gemv)
+    # Each spy closes over its own set: under torch 2.13 the traced adds to a set reached through a dict were lost
+    traced = {fuse_proj: spy(fuse_proj), decode_gemv: spy(decode_gemv)}
     model = tiny_model("llama", heads=8, kv_heads=2, layers=3)
     ids, mask = left_padded_batch(lengths=(90,))  # batch 1: the row the GEMV takes
     kw = dict(budget=32, page_size=16, dense_layers=1, fuse_projections=True, decode_gemv=True)
