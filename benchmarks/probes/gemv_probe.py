@@ -71,7 +71,7 @@ def library_gemv(x, w, y, block_n, block_k, warps, stages):
     """The library's kernel (triton_kernels/gemv.py, launched dependently where PDL exists) at these settings."""
     from triton_kernels.gemv import GemvLaunch
     from triton_kernels.gemv import gemv as lib_gemv
-    return lib_gemv(x, w, out=y, launch=GemvLaunch(block_n=block_n, block_k=block_k, num_warps=warps,
+    return lib_gemv(x, w, out=y.view(1, -1), launch=GemvLaunch(block_n=block_n, block_k=block_k, num_warps=warps,
                                                    num_stages=stages))
 
 
