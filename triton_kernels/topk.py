@@ -614,10 +614,9 @@ def _topk_thresholds_kernel(
         tl.store(need_ptr + i_row + o_1, i_need)
         if CUT:
             tl.store(cut_ptr + i_row + o_1, i_cut)
-            if i_row % GROUP == 0:  # a branch, not a scalar in the mask: triton 3.9's interpreter refuses that mask
-                o_z = tl.arange(0, ZERO_PAD)
-                tl.store(zero_ptr + (i_row // GROUP) * N_ZERO + o_z, tl.zeros([ZERO_PAD], dtype=tl.int32),
-                         mask=o_z < N_ZERO)
+            o_z = tl.arange(0, ZERO_PAD)
+            tl.store(zero_ptr + (i_row // GROUP) * N_ZERO + o_z, tl.zeros([ZERO_PAD], dtype=tl.int32),
+                     mask=(o_z < N_ZERO) & ((o_z * 0 + i_row % GROUP) == 0))  # vector form, as append.py's m_old
 
 
 @triton.jit

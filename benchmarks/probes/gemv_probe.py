@@ -26,6 +26,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from quest_hf.bench import copy_bandwidth, environment, time_graph_chain  # noqa: E402
+from triton_kernels.gemv import GemvLaunch  # noqa: E402
+from triton_kernels.gemv import gemv as lib_gemv  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "7b q|k|v|o 4096x4096": (4096, 4096),
@@ -69,8 +71,6 @@ def gemv(x, w, y, block_n, block_k, warps, stages):
 
 def library_gemv(x, w, y, block_n, block_k, warps, stages):
     """The library's kernel (triton_kernels/gemv.py, launched dependently where PDL exists) at these settings."""
-    from triton_kernels.gemv import GemvLaunch
-    from triton_kernels.gemv import gemv as lib_gemv
     return lib_gemv(x, w, out=y.view(1, -1), launch=GemvLaunch(block_n=block_n, block_k=block_k, num_warps=warps,
                                                    num_stages=stages))
 
@@ -130,6 +130,8 @@ def main():
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     kernel = "library" if a.library else "probe"
+    d = GemvLaunch()
+    default = f"{d.block_n},{d.block_k},{d.num_warps},{d.num_stages}"  # the library's default setting
     # One setting for every shape (a fused weight's outputs equal its parts' only under settings that do not depend
     # on N): the swept setting of least summed time over the shapes (each shape once, as a decoder layer runs them).
     shared = set.intersection(*(set(r["swept"]) for r in rows)) if rows else set()
@@ -139,7 +141,7 @@ def main():
         bn, bk, nw, ns = map(int, c.split(","))
         common = dict(block_n=bn, block_k=bk, warps=nw, stages=ns, sum_us=us,
                       others=[dict(config=c, sum_us=t) for t, c in common[1:6]],
-                      library_default_sum_us=dict((c, t) for t, c in common).get("4,1024,8,3"))
+                      library_default_sum_us=dict((c, t) for t, c in common).get(default))
         print(f"one setting for all shapes: {common}", flush=True)
     out.write_text(json.dumps(dict(env=environment(dev), copy_gbs=copy / 1e9, kernel=kernel, rows=rows,
                                    common=common), indent=1))
