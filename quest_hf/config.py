@@ -110,6 +110,14 @@ class QuestConfig:
             Rounding differs from cuBLAS's (one fp16 ulp at most on 7B/8B shapes): greedy tokens can part where two
             logits nearly tie. With `fuse_projections` a fused group's outputs equal the unfused GEMV's bitwise.
             `model._quest_state.gemv` lists what was bound, what not and why.
+        fuse_residual: `True` (default): with `compile_decode`, a one-token CUDA step of a decoder layer of the
+            plain pre-norm form (the layer's forward reads as Llama's: `residual + attention`, post-attention norm,
+            MLP, `residual + MLP`; Mistral, Qwen2/3, Gemma, SmolLM3 and others share it) runs each residual add in the
+            compiled kernel of the norm that reads the sum: the layer's post-attention norm, and the next layer's
+            input norm (or the model's final norm), whose output is handed to it (quest_hf/fuse.py). Two kernels a
+            layer fewer in a captured step; the sum is rounded to the model's dtype before the norm reads it, as in
+            HF's forward. A layer of another form keeps HF's forward; `model._quest_state.compiled.residual` says
+            which layers fused and why the others did not. `False`: HF's decoder-layer forward.
         defer_stop_check: `True` (default): `generate()` on CUDA decides whether to stop one step late,
             so the host queues the next step instead of waiting for the GPU after every token (HF's own
             `DeferredStopCheck`, which transformers turns on only for "mps"; 7B at 32K on an H200: 6.38
@@ -191,6 +199,7 @@ class QuestConfig:
     compile_wrapper: str = "auto"
     fuse_projections: bool | str = "auto"
     decode_gemv: bool | str = "auto"
+    fuse_residual: bool = True
     layer_budgets: tuple[int, ...] | None = None
     dense: tuple[int, ...] | None = None
     bounds: str = "key_dtype"
@@ -248,7 +257,7 @@ class QuestConfig:
             if getattr(self, name) not in (True, False, "auto") or getattr(self, name) in (0, 1) and not isinstance(
                     getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
-        for name in ("compile_decode", "defer_stop_check"):
+        for name in ("compile_decode", "defer_stop_check", "fuse_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:

@@ -677,15 +677,16 @@ def _check_settings(model, config: QuestConfig) -> None:
 def _set_compiled(model, state: _PatchState) -> None:
     """Bind or unbind the batch-1 decode GEMV, fuse or unfuse the projections, and wrap or unwrap the decode-only
     compiled norms/MLPs to match `config.decode_gemv`, `config.fuse_projections` and `config.compile_decode` (with
-    its backend). Each sits over the one before (the GEMV forwards, the fused groups, the compiled wrappers), so a
-    change takes off what sits over it first and puts it back after."""
+    its backend and `config.fuse_residual`). Each sits over the one before (the GEMV forwards, the fused groups, the
+    compiled wrappers), so a change takes off what sits over it first and puts it back after."""
     cfg, compiled = state.config, state.compiled
     gemv_on = _decode_gemv_on(model, cfg)
     fuse_on = gemv_on if cfg.fuse_projections == "auto" else cfg.fuse_projections
     regemv = (state.gemv is not None) != gemv_on
     refusion = regemv or (state.fused is not None) != fuse_on  # fusion turns on or off, or rebinds
     if compiled is not None and (refusion or not cfg.compile_decode or compiled.backend != cfg.compile_backend
-                                 or compiled.device_types != cfg._compile_devices):
+                                 or compiled.device_types != cfg._compile_devices
+                                 or compiled.fuse_residual != cfg.fuse_residual):
         state.compile_bindings.restore()
         state.compiled = None
     if refusion and state.fused is not None:
@@ -704,7 +705,7 @@ def _set_compiled(model, state: _PatchState) -> None:
             raise
     if cfg.compile_decode and state.compiled is None:
         state.compiled = compile_decode_modules(model, state.compile_bindings, cfg.compile_backend,
-                                                cfg._compile_devices)
+                                                cfg._compile_devices, cfg.fuse_residual)
 
 
 def _decode_gemv_on(model, cfg: QuestConfig) -> bool:

@@ -29,7 +29,8 @@ Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop 
 A quest method may name another policy, page size and bounds: `quest_graph_c:qcode1_2s/32`, `quest_graph_c:quest/16/int8`;
 a 4th field `fused` adds fuse_projections=True (`quest_graph_c:quest/16/key_dtype/fused`), `sep` sets fused_step=False
 (the separate score / Top-K / attention kernels), `unfused` sets fuse_projections=False
-(the default "auto" fuses where the decode GEMV is bound), `cublas` sets decode_gemv=False (cuBLAS's GEMVs), joined
+(the default "auto" fuses where the decode GEMV is bound), `cublas` sets decode_gemv=False (cuBLAS's GEMVs), `nores`
+sets fuse_residual=False (HF's decoder-layer forward: its residual adds as kernels of their own), joined
 by '+' (`.../fused+cublas`); the row's same_as_unfused compares its tokens with the same method's run without that field,
 when that ran first.
 `--calibrated FILE` adds one captured row (the defaults otherwise) per config of a `scripts/calibrate.py` result:
@@ -216,10 +217,10 @@ def main(argv=None):
                     page, _, bounds = page.partition("/")
                     bounds, _, extra = bounds.partition("/")
                     flags = set(extra.split("+")) - {""}
-                    if config is None and not flags <= {"fused", "unfused", "sep", "cublas"}:
+                    if config is None and not flags <= {"fused", "unfused", "sep", "cublas", "nores"}:
                         raise SystemExit(f"{full!r}: the method's 4th field joins by '+' 'fused' / 'unfused' "
-                                         "(fuse_projections True / False), 'sep' (fused_step=False) and 'cublas' "
-                                         "(decode_gemv=False)")
+                                         "(fuse_projections True / False), 'sep' (fused_step=False), 'cublas' "
+                                         "(decode_gemv=False) and 'nores' (fuse_residual=False)")
                     if config is not None:
                         method = "quest_graph_c"
                     kw = dict(num_beams=args.beams) if args.beams > 1 else {}
@@ -242,7 +243,8 @@ def main(argv=None):
                                     fuse_projections=True if "fused" in flags else (
                                         False if "unfused" in flags else "auto"),
                                     fused_step=False if "sep" in flags else "auto",
-                                    decode_gemv=False if "cublas" in flags else "auto")
+                                    decode_gemv=False if "cublas" in flags else "auto",
+                                    fuse_residual="nores" not in flags)
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
                     try:
