@@ -1,13 +1,13 @@
 #!/bin/bash
 # Round 24, device call 5 (a new machine): the library GEMV's launch settings swept on an H200 (its defaults were
-# chosen on an H100) at the Llama-2-7B and Llama-3-8B projection shapes; if one setting for all shapes beats the
+# chosen on an H100) at the Llama-2-7B projection shapes; if one setting for all shapes beats the
 # defaults' summed time by >= 1%, generate() at Llama-2-7B/32K with it and HF static + compile in one process, then
 # with the defaults in another; else the defaults and HF static + compile (a second same-run sample of the ratio).
 export PYTHONPATH=. ; O=${OUT:-results/round24}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $O/call5_gpu.txt
-timeout 150 python benchmarks/probes/gemv_probe.py --library --shapes "7b qkv fused 12288x4096" \
-  "7b q|k|v|o 4096x4096" "7b gate_up fused 22016x4096" "7b down 4096x11008" "8b qkv fused 6144x4096" \
-  "8b gate_up fused 28672x4096" "8b down 4096x14336" --block-n 4 8 16 --block-k 1024 --warps 4 8 --stages 2 3 4 \
+grep -q H200 $O/call5_gpu.txt || { echo "not an H200 (round 23 swept the GEMV on an H100): nothing run"; exit 0; }
+timeout 90 python benchmarks/probes/gemv_probe.py --library --shapes "7b qkv fused 12288x4096" \
+  "7b q|k|v|o 4096x4096" "7b gate_up fused 22016x4096" "7b down 4096x11008" --block-n 4 8 16 --block-k 1024 --warps 4 8 --stages 2 3 4 \
   --out $O/call5_gemv.json > $O/call5_gemv.txt 2>&1; grep -v ': [A-Z]' $O/call5_gemv.txt | cut -c1-400
 G=$(python -c "
 import json; c = json.load(open('$O/call5_gemv.json'))['common']
@@ -18,10 +18,10 @@ if d is not None and c['sum_us'] < 0.99 * d:
 E="python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --new-tokens 48 --budgets 2048"
 if [ -n "$G" ]; then
   echo "generate() with --gemv-launch $G" | tee -a $O/call5_gpu.txt
-  timeout 220 $E --methods quest_graph_c static --gemv-launch $G --out $O/call5_e2e_7b_32k_gemv.json \
+  timeout 200 $E --methods quest_graph_c static --gemv-launch $G --out $O/call5_e2e_7b_32k_gemv.json \
     > $O/call5_e2e_gemv.log 2>&1
   grep -hE '^\| llama' $O/call5_e2e_7b_32k_gemv.md | tee -a $O/call5_gpu.txt
-  timeout 110 $E --methods quest_graph_c --out $O/call5_e2e_7b_32k_default.json > $O/call5_e2e_default.log 2>&1
+  timeout 90 $E --methods quest_graph_c --out $O/call5_e2e_7b_32k_default.json > $O/call5_e2e_default.log 2>&1
   grep -hE '^\| llama' $O/call5_e2e_7b_32k_default.md | tee -a $O/call5_gpu.txt
 else
   echo "defaults kept (no setting >= 1% faster summed)" | tee -a $O/call5_gpu.txt
