@@ -1,8 +1,8 @@
 #!/bin/bash
 # Round 24, device call 5 (a new machine): the library GEMV's launch settings swept on an H200 (its defaults were
 # chosen on an H100) at the Llama-2-7B projection shapes; if one setting for all shapes beats the
-# defaults' summed time by >= 1%, generate() at Llama-2-7B/32K with it, then with the defaults (two processes; HF
-# static + compile ran in call 1).
+# defaults' summed time by >= 1% (the same-run A/B), it becomes the default in this copy of the tree
+# (set_gemv_defaults.py), and the GEMV's GPU tests and generate() at Llama-2-7B/32K run on it.
 export PYTHONPATH=. ; O=${OUT:-results/round24}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $O/call5_gpu.txt
 grep -q H200 $O/call5_gpu.txt || { echo "not an H200 (round 23 swept the GEMV on an H100): nothing run"; exit 0; }
@@ -15,13 +15,14 @@ d = c['library_default_sum_us']
 if d is not None and c['sum_us'] < 0.99 * d:
     print(f\"block_n={c['block_n']} block_k={c['block_k']} num_warps={c['warps']} num_stages={c['stages']}\")
 " 2>/dev/null)
-E="python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --new-tokens 48 --budgets 2048 --methods quest_graph_c"
 if [ -n "$G" ]; then
-  echo "generate() with --gemv-launch $G, then with the defaults (another process)" | tee -a $O/call5_gpu.txt
-  timeout 100 $E --gemv-launch $G --out $O/call5_e2e_7b_32k_gemv.json > $O/call5_e2e_gemv.log 2>&1
-  grep -hE '^\| llama' $O/call5_e2e_7b_32k_gemv.md | tee -a $O/call5_gpu.txt
-  timeout 100 $E --out $O/call5_e2e_7b_32k_default.json > $O/call5_e2e_default.log 2>&1
-  grep -hE '^\| llama' $O/call5_e2e_7b_32k_default.md | tee -a $O/call5_gpu.txt
+  # The setting becomes the library's default in this copy of the tree; the GEMV's GPU tests and generate() run on it.
+  python benchmarks/kernels/round24/set_gemv_defaults.py $G | tee -a $O/call5_gpu.txt
+  timeout 80 python -m pytest -q -m gpu tests/gpu/test_gpu_decode_gemv.py tests/gpu/test_gpu_fuse_residual.py 2>&1 \
+    | tee $O/call5_pytest.log | tail -3 | tee -a $O/call5_gpu.txt
+  timeout 100 python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 --new-tokens 48 --budgets 2048 \
+    --methods quest_graph_c --out $O/call5_e2e_7b_32k.json > $O/call5_e2e.log 2>&1
+  grep -hE '^\| llama' $O/call5_e2e_7b_32k.md | tee -a $O/call5_gpu.txt
 else
   echo "defaults kept (no setting >= 1% faster summed)" | tee -a $O/call5_gpu.txt
 fi
