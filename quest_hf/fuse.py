@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import logging
 
-from .binding import Bindings, Method, shared_kind
+from .binding import MISSING, Bindings, Method, shared_kind
 
 logger = logging.get_logger("quest_hf")
 
@@ -211,6 +211,50 @@ def _norm_of_sum(compiled: DecodeCompile, norm, x, residual):
     return normed, total
 
 
+def _bind_beneath(bindings: Bindings, layer, fn, data) -> None:
+    """Bind `fn` as `layer.forward` beneath the patch's own interception of it (quest_hf.patch._intercept_layers,
+    which hands a layer's calls to a SegmentGraph, and may be bound before or after this), so that each keeps its
+    place in the chain; `bindings.restore()` takes it out of the chain wherever it then sits."""
+    top = vars(layer).get("forward")
+    if isinstance(top, Method) and top.__func__.__name__ == "_layer_forward":
+        method = Method(fn, layer, "forward", top.previous, data)
+        top.previous = method
+    else:
+        method = Method(fn, layer, "forward", vars(layer).get("forward", MISSING), data)
+        layer.forward = method
+    bindings.call(_unbind_beneath, layer, method)
+
+
+def _unbind_beneath(layer, method: Method) -> None:
+    top = vars(layer).get("forward")
+    if top is method:
+        if method.previous is MISSING:
+            del layer.forward
+        else:
+            layer.forward = method.previous
+        return
+    if vars(layer).get("_old_forward") is method:  # accelerate, hooked after the patch, keeps ours as _old_forward
+        layer._old_forward = method.original
+        return
+    for f in (top, vars(layer).get("_old_forward")):
+        while isinstance(f, Method):
+            if f.previous is method:
+                f.previous = method.previous
+                return
+            f = f.previous
+
+
+def _hooked(module) -> bool:
+    """Whether something other than compile_decode replaced `module`'s forward (accelerate's `_hf_hook`s do)."""
+    forward = vars(module).get("forward")
+    return hasattr(module, "_hf_hook") or (forward is not None and not isinstance(forward, Method))
+
+
+def _device(module):
+    param = next(module.parameters(), None)
+    return param.device if param is not None else None
+
+
 def fuse_residual_adds(model, bindings: Bindings, compiled: DecodeCompile) -> None:
     """Give each plain pre-norm decoder layer of `model` whose norms `compiled` wraps the decode forward
     `_decode_layer_forward`, recording it in `bindings`; `compiled.residual` says which layers and why not others."""
@@ -229,15 +273,21 @@ def fuse_residual_adds(model, bindings: Bindings, compiled: DecodeCompile) -> No
         if not all(id(n) in wrapped for n in norms):
             compiled.residual[i] = "its norms are not compiled by compile_decode"
             continue
+        if _hooked(layer):
+            # accelerate's hooks (device_map, offload) move its inputs in the forward they replace: keep that forward
+            compiled.residual[i] = "its forward is replaced on the module (accelerate's hooks: device_map, offload)"
+            continue
         # The norm that reads this layer's output next: the next layer's input norm (when that layer is plain
-        # pre-norm too, so that it calls it first thing), or after the last layer the model's final norm.
+        # pre-norm too, so that it calls it first thing), or after the last layer the model's final norm; none where
+        # that norm is not compiled by compile_decode, is hooked or sits on another device (a device_map's hop).
         if i + 1 < len(layers):
             following = layers[i + 1].input_layernorm if not isinstance(kinds[i + 1], str) else None
         else:
             following = final
-        if following is not None and id(following) not in wrapped:  # a norm compile_decode does not compile
+        if following is not None and (id(following) not in wrapped or _hooked(following)
+                                      or _device(following) != _device(layer.post_attention_layernorm)):
             following = None
-        bindings.method(layer, "forward", _decode_layer_forward, data=(compiled, params, following))
+        _bind_beneath(bindings, layer, _decode_layer_forward, (compiled, params, following))
         compiled.residual[i] = "fused"
 
 

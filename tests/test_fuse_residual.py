@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from quest_hf import patch_model, unpatch_model
+from quest_hf.binding import MISSING
 from quest_hf.fuse import standard_layer
 
 from .conftest import left_padded_batch, tiny_model
@@ -140,3 +141,72 @@ def test_layers_of_another_form_keep_their_forward():
     _same(plain, _gen(model, ids, mask))
     assert compiled.residual_hits == 0
     unpatch_model(model)
+
+
+def test_hooked_layers_and_norms_are_left_alone():
+    """accelerate's hooks (device_map, offload) move inputs in the forward they replace: a hooked layer keeps that
+    forward, and a hooked final norm is not handed the last layer's output."""
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(50, 37))
+    layers = model.model.layers
+    calls = []
+
+    def hooked_forward(*args, __original=layers[2].forward, **kwargs):  # what accelerate's add_hook_to_module sets
+        calls.append(1)
+        return __original(*args, **kwargs)
+
+    layers[2].forward = hooked_forward
+    layers[2]._hf_hook = object()
+    model.model.norm._hf_hook = object()
+    try:
+        patch_model(model, budget=32, fuse_residual=False, **ON_CPU)
+        plain = _gen(model, ids, mask)
+        patch_model(model, budget=32, **ON_CPU)
+        compiled = model._quest_state.compiled
+        assert compiled.residual[2].startswith("its forward is replaced on the module")
+        assert [compiled.residual[i] for i in (0, 1, 3)] == ["fused"] * 3
+        calls.clear()
+        _same(plain, _gen(model, ids, mask))
+        assert len(calls) == NEW  # the hooked forward ran for the prefill and every decode step
+        # Handed on: layer 0 -> layer 1's norm, layer 1 -> layer 2's (its own forward calls it); not 3 -> the final norm.
+        assert compiled.residual_hits == 2 * (NEW - 1)
+    finally:
+        unpatch_model(model)
+        del layers[2].forward, layers[2]._hf_hook, model.model.norm._hf_hook
+
+
+def test_fused_layers_run_per_segment_and_rebind_beneath_the_interception(single_thread):
+    """A decode step per device segment intercepts each layer's forward (quest_hf.patch._intercept_layers); the fused
+    forward sits beneath that interception whichever was bound first, and re-patching takes it out of the chain
+    without taking the interception with it."""
+    from quest_hf.graph import SegmentGraph
+    from quest_hf.patch import _force_segments
+
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(50, 37))
+    patch_model(model, budget=32, fuse_residual=False, **ON_CPU)
+    plain = _gen(model, ids, mask)
+    layers = model.model.layers
+    try:
+        patch_model(model, budget=32, **ON_CPU)
+        _force_segments(model, (2,), capture=False)
+        _same(plain, _gen(model, ids, mask))  # fused first, intercepted at this first decode over segments
+        graph = model._quest_state.graph
+        assert isinstance(graph, SegmentGraph) and graph.steps == NEW - 2  # the first decode step observes
+        for layer in layers:
+            top = vars(layer)["forward"]
+            assert top.__func__.__name__ == "_layer_forward" and top.previous.__func__.__name__ == "_decode_layer_forward"
+        hits = model._quest_state.compiled.residual_hits
+        assert hits > 0
+        patch_model(model, budget=32, fuse_residual=False, **ON_CPU)  # unfused under the interception
+        assert all(vars(layer)["forward"].__func__.__name__ == "_layer_forward" for layer in layers)
+        assert all(vars(layer)["forward"].previous is MISSING for layer in layers)
+        _same(plain, _gen(model, ids, mask))
+        patch_model(model, budget=32, **ON_CPU)  # fused again, now bound beneath the interception
+        assert all(vars(layer)["forward"].previous.__func__.__name__ == "_decode_layer_forward" for layer in layers)
+        steps = graph.steps
+        _same(plain, _gen(model, ids, mask))
+        assert model._quest_state.graph.steps > steps
+    finally:
+        unpatch_model(model)
+    assert all("forward" not in vars(layer) for layer in layers)
