@@ -32,6 +32,7 @@ import torch
 from transformers.utils import logging
 
 from .binding import MISSING, Bindings, Method, shared_kind
+from .families import _decoder_layers
 
 logger = logging.get_logger("quest_hf")
 
@@ -212,11 +213,12 @@ def _norm_of_sum(compiled: DecodeCompile, norm, x, residual):
 
 
 def _bind_beneath(bindings: Bindings, layer, fn, data) -> None:
-    """Bind `fn` as `layer.forward` beneath the patch's own interception of it (quest_hf.patch._intercept_layers,
-    which hands a layer's calls to a SegmentGraph, and may be bound before or after this), so that each keeps its
-    place in the chain; `bindings.restore()` takes it out of the chain wherever it then sits."""
+    """Bind `fn` as `layer.forward` beneath the patch's own interception of it (a Method whose function is marked
+    `outermost`: quest_hf.patch._layer_forward, which hands a layer's calls to a SegmentGraph, and may be bound before
+    or after this), so that each keeps its place in the chain; `bindings.restore()` takes it out of the chain wherever
+    it then sits."""
     top = vars(layer).get("forward")
-    if isinstance(top, Method) and top.__func__.__name__ == "_layer_forward":
+    if isinstance(top, Method) and getattr(top.__func__, "outermost", False):
         method = Method(fn, layer, "forward", top.previous, data)
         top.previous = method
     else:
@@ -258,11 +260,12 @@ def _device(module):
 def fuse_residual_adds(model, bindings: Bindings, compiled: DecodeCompile) -> None:
     """Give each plain pre-norm decoder layer of `model` whose norms `compiled` wraps the decode forward
     `_decode_layer_forward`, recording it in `bindings`; `compiled.residual` says which layers and why not others."""
-    base = model.base_model
-    layers, final = getattr(base, "layers", None), getattr(base, "norm", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        compiled.residual[None] = f"{type(base).__name__} has no `layers` list of decoder layers"
+    try:
+        decoder, layers = _decoder_layers(model)
+    except ValueError as e:
+        compiled.residual[None] = str(e)
         return
+    final = getattr(decoder, "norm", None)
     wrapped = set(map(id, compiled.modules))
     kinds = [standard_layer(type(layer)) for layer in layers]
     for i, (layer, params) in enumerate(zip(layers, kinds)):

@@ -336,6 +336,9 @@ def _layer_forward(method: Method, *args, **kwargs):
     return graph.layer_call(method.data, method.original, args, kwargs)
 
 
+_layer_forward.outermost = True  # stays the outermost of the patch's Methods on a layer (quest_hf.fuse._bind_beneath)
+
+
 def _intercept_layers(model, state: _PatchState) -> None:
     """Bind `_layer_forward` as every decoder layer's `forward`, once, recorded in the patch's bindings.
 
