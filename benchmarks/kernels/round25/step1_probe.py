@@ -1,0 +1,43 @@
+"""Round 25 probe: where round 21's int8_channel step (the first decode step's logits 0.64 apart between the separate
+kernels and the fused step, the decode GEMV on) begins. Each run (separate kernels, fused step; eager steps) records
+through a selection hook, at every sparse layer's decode step, the query it scored with and the pages it chose; the
+two runs are compared call by call: the query's largest difference and the pages chosen by one run only (the
+current page, listed differently by the two, left out)."""
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from quest_hf import QuestCache, patch_model  # noqa: E402
+from tests.gpu.test_gpu_fused_step import DEV, _model  # noqa: E402
+
+model = _model(4, "llama")
+ids = torch.randint(2, 1000, (1, 3000), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+
+
+def run(fused, gemv):
+    patch_model(model, budget=256, page_size=16, cuda_graph=False, compile_step=False, bounds="int8_channel",
+                fused_step=fused, decode_gemv=gemv)
+    cache = QuestCache.from_model(model)
+    calls = []
+
+    def hook(i, q, chosen):
+        layer = cache.layers[i]
+        pos, S = int(layer.pos.item()), layer.config.page_size  # the current token's page, whether or not pos moved on
+        cur = {-1, (pos - 1) // S, pos // S}
+        calls.append((i, q.detach().float().clone(), [set(r.tolist()) - cur for r in chosen[0]], pos))
+
+    cache.selection_hooks.append(hook)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+                         do_sample=False, return_dict_in_generate=True, output_scores=True)
+    return calls, out
+
+
+for gemv in (True, False):
+    (a, oa), (b, ob) = run(False, gemv), run(True, gemv)
+    print(f"decode_gemv={gemv}: hook calls {len(a)} / {len(b)}; logit max diff per step "
+          f"{[round((x - y).abs().max().item(), 4) for x, y in zip(oa.scores, ob.scores)]}")
+    for n, ((ia, qa, pa, ca), (ib, qb, pb, cb)) in enumerate(zip(a, b)):
+        only = [(h, sorted(x - y), sorted(y - x)) for h, (x, y) in enumerate(zip(pa, pb)) if x != y]
+        print(f"  call {n} layer {ia}/{ib} position {ca}/{cb}: q max diff {(qa - qb).abs().max().item():.3g}; "
+              f"heads choosing otherwise {only[:4]}")
