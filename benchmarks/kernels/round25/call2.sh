@@ -4,7 +4,7 @@
 # the bounds are most of a sparse layer's bytes); then the GPU tests not run in call 1, as far as the call's time goes.
 export PYTHONPATH=. ; O=${OUT:-results/round25}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $O/call2_gpu.txt
-timeout 100 python benchmarks/kernels/round25/step1_probe.py > $O/call2_step1_probe.txt 2>&1
+timeout 90 python benchmarks/kernels/round25/step1_probe.py > $O/call2_step1_probe.txt 2>&1
 grep -v -i warn $O/call2_step1_probe.txt | head -40 | cut -c1-300
 timeout 220 python scripts/bench_e2e.py --shapes llama3-8b --lengths 131072 --budgets 2048 --new-tokens 32 \
   --methods quest_graph_c quest_graph_c:quest/16/int8_channel --out $O/call2_e2e_8b_128k.json > $O/call2_e2e.log 2>&1

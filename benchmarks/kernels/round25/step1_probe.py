@@ -2,7 +2,8 @@
 kernels and the fused step, the decode GEMV on) begins. Each run (separate kernels, fused step; eager steps) records
 through a selection hook, at every sparse layer's decode step, the query it scored with and the pages it chose; the
 two runs are compared call by call: the query's largest difference and the pages chosen by one run only (the
-current page, listed differently by the two, left out)."""
+current page, listed differently by the two, left out), with their scores (separate score kernel, each run's own
+query) and each run's K-th score."""
 import sys
 
 import torch
@@ -25,7 +26,11 @@ def run(fused, gemv):
         layer = cache.layers[i]
         pos, S = int(layer.pos.item()), layer.config.page_size  # the current token's page, whether or not pos moved on
         cur = {-1, (pos - 1) // S, pos // S}
-        calls.append((i, q.detach().float().clone(), [set(r.tolist()) - cur for r in chosen[0]], pos))
+        cfg, ops = layer.config, layer.ops
+        scores = ops.score_pages(q, layer.kmin8, layer.kmax8, layer.keys.shape[2], S, 0, "none", pos=layer.pos,
+                                 window=0, rows=layer.rows, scale=layer.kscale, chan=layer.kchan)[0].float()
+        kth = scores.topk(cfg.num_pages + 1, dim=-1).values[:, -1]  # each head's K-th score (the current page: +inf)
+        calls.append((i, q.detach().float().clone(), [set(r.tolist()) - cur for r in chosen[0]], pos, scores, kth))
 
     cache.selection_hooks.append(hook)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
@@ -37,7 +42,10 @@ for gemv in (True, False):
     (a, oa), (b, ob) = run(False, gemv), run(True, gemv)
     print(f"decode_gemv={gemv}: hook calls {len(a)} / {len(b)}; logit max diff per step "
           f"{[round((x - y).abs().max().item(), 4) for x, y in zip(oa.scores, ob.scores)]}")
-    for n, ((ia, qa, pa, ca), (ib, qb, pb, cb)) in enumerate(zip(a, b)):
-        only = [(h, sorted(x - y), sorted(y - x)) for h, (x, y) in enumerate(zip(pa, pb)) if x != y]
+    for n, ((ia, qa, pa, ca, sa, ka), (ib, qb, pb, cb, sb, kb)) in enumerate(zip(a, b)):
+        # A head choosing otherwise: the pages only one run chose, each with its score in both runs, and each run's
+        # K-th score (a near-tie when they sit within rounding of it).
+        only = [(h, {p: (round(sa[h, p].item(), 4), round(sb[h, p].item(), 4)) for p in x ^ y},
+                 (round(ka[h].item(), 4), round(kb[h].item(), 4))) for h, (x, y) in enumerate(zip(pa, pb)) if x != y]
         print(f"  call {n} layer {ia}/{ib} position {ca}/{cb}: q max diff {(qa - qb).abs().max().item():.3g}; "
               f"heads choosing otherwise {only[:4]}")
