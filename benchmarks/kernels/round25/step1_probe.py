@@ -3,14 +3,23 @@ kernels and the fused step, the decode GEMV on) begins. Each run (separate kerne
 through a selection hook, at every sparse layer's decode step, the query it scored with and the pages it chose; the
 two runs are compared call by call: the query's largest difference and the pages chosen by one run only (the
 current page, listed differently by the two, left out), with their scores (separate score kernel, each run's own
-query) and each run's K-th score."""
+query) and each run's K-th score.
+
+    python benchmarks/kernels/round25/step1_probe.py                          # a CUDA device
+    TRITON_INTERPRET=1 python benchmarks/kernels/round25/step1_probe.py --cpu  # the kernels interpreted on CPU (slow)
+"""
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+import tests.gpu.test_gpu_fused_step as fused_tests  # noqa: E402
 from quest_hf import QuestCache, patch_model  # noqa: E402
-from tests.gpu.test_gpu_fused_step import DEV, _model  # noqa: E402
+
+CPU = "--cpu" in sys.argv
+if CPU:  # the same model on CPU, Triton's interpreter running the kernels; 3 tokens, the GEMV on only
+    fused_tests.DEV = "cpu"
+DEV, _model = fused_tests.DEV, fused_tests._model
 
 model = _model(4, "llama")
 ids = torch.randint(2, 1000, (1, 3000), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
@@ -18,7 +27,7 @@ ids = torch.randint(2, 1000, (1, 3000), device=DEV, generator=torch.Generator(DE
 
 def run(fused, gemv):
     patch_model(model, budget=256, page_size=16, cuda_graph=False, compile_step=False, bounds="int8_channel",
-                fused_step=fused, decode_gemv=gemv)
+                fused_step=fused, backend="triton", decode_gemv=gemv)
     cache = QuestCache.from_model(model)
     calls = []
 
@@ -33,12 +42,13 @@ def run(fused, gemv):
         calls.append((i, q.detach().float().clone(), [set(r.tolist()) - cur for r in chosen[0]], pos, scores, kth))
 
     cache.selection_hooks.append(hook)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
-                         do_sample=False, return_dict_in_generate=True, output_scores=True)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         max_new_tokens=3 if CPU else 6, do_sample=False, return_dict_in_generate=True,
+                         output_scores=True)
     return calls, out
 
 
-for gemv in (True, False):
+for gemv in (True,) if CPU else (True, False):
     (a, oa), (b, ob) = run(False, gemv), run(True, gemv)
     print(f"decode_gemv={gemv}: hook calls {len(a)} / {len(b)}; logit max diff per step "
           f"{[round((x - y).abs().max().item(), 4) for x, y in zip(oa.scores, ob.scores)]}")
