@@ -20,7 +20,7 @@ from .testing import F16, F32, assert_close, nan_empty  # noqa: E402
 SMALL = fs.StepLaunch(score_block=16, score_item=32, block_n=16)  # several items and splits a head at these sizes
 THREE = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3)
 # A resident scoring grid: the interpreter counts 4 SMs, so 4 programs each walk several items of several heads.
-RESIDENT = fs.StepLaunch(score_block=16, score_item=16, block_n=16, launches=3, score_programs=1)
+RESIDENT = fs.StepLaunch(score_block=16, score_item=16, block_n=16, launches=3, score_programs=1, topk_warps=2)
 
 CASES = [
     # B, H_q, H_kv, D, S, L, k, dtype, pad, reduce, bounds, device position, window, softcap, sinks
@@ -76,4 +76,8 @@ def test_fused_step_refuses_what_it_does_not_run():
         fs.StepLaunch(launches=2)
     with pytest.raises(ValueError, match="score_programs"):
         fs.StepLaunch(score_programs=2)  # the resident scoring grid is the three-launch step's
+    with pytest.raises(ValueError, match="topk_warps"):
+        fs.StepLaunch(topk_warps=2)  # the Top-K has its own launch only in the three-launch step
+    with pytest.raises(ValueError, match="topk_warps"):
+        fs.StepLaunch(launches=3, topk_warps=3)
     assert fs.fused_step_supported(10, 1, "none", rows=torch.zeros(1, 10, dtype=torch.int32)).startswith("beam")

@@ -80,7 +80,10 @@ class StepLaunch:
     and the first heads' Top-Ks and attention overlap the later heads' scoring. On an H200 (benchmarks/kernels/
     round18) 4 an SM gave 7B B=1 32K 31.4 us against 32.6 with one item a program (int8_channel 30.0 vs 31.1) and
     128K 63.9-65.2 vs 68.6, tied at Llama-3-8B shared scores and slower at batch 8; 1-2 an SM score at a fraction of
-    the rate (one item in flight a program), so the heads' rounds are few and the gain small. Off by default."""
+    the rate (one item in flight a program), so the heads' rounds are few and the gain small. Off by default.
+
+    topk_warps (three launches only): the Top-K launch's warps (None: num_warps), the one role whose time is a chain
+    of dependent block-wide reductions (benchmarks/kernels/round18): fewer warps, cheaper reductions."""
 
     score_block: int = 64
     score_item: int = 64
@@ -92,6 +95,7 @@ class StepLaunch:
     maxnreg: int | None = None
     launches: int = 1
     score_programs: int = 0
+    topk_warps: int | None = None
 
     def __post_init__(self):
         if self.score_item % self.score_block:
@@ -101,6 +105,9 @@ class StepLaunch:
         if self.score_programs < 0 or (self.score_programs and self.launches != 3):
             raise ValueError(f"score_programs ({self.score_programs}) must be 0, or > 0 with launches=3 (the "
                              "resident scoring grid is the three-launch step's first launch)")
+        if self.topk_warps is not None and (self.launches != 3 or self.topk_warps not in (1, 2, 4, 8, 16)):
+            raise ValueError(f"topk_warps ({self.topk_warps}) must be None, or 1, 2, 4, 8 or 16 with launches=3 (the "
+                             "Top-K launch of the three-launch step)")
 
     def topk(self):
         """The `TopKLaunch` whose lean path the fused Top-K takes."""
@@ -475,7 +482,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
                                                window,
                                             **both, **s_meta, PDL=pdl, num_warps=launch.num_warps),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
-                                        num_warps=launch.num_warps, **after),
+                                        num_warps=launch.topk_warps or launch.num_warps, **after),
             _attend_kernel[(B * H * splits,)](
                 q, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out, sinks_arg, state,
                 *q.stride(), *a_strides, H, P, K_out, ids_each, splits, seq_len, page_size, window, *scales,
