@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import hashlib
 import json
 import sys
 import time
@@ -293,7 +294,9 @@ def main(argv=None):
                                tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
                                same_as_unfused=same_unfused, first_diff_unfused=first_diff_unfused,
-                               graph_replay_ms=replay, error=err)
+                               graph_replay_ms=replay, error=err,
+                               # the greedy tokens' digest: compares runs of separate processes
+                               tokens_sha1=None if out is None else hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest())
                     if method in ("quest_graph_c", "quest_graph_c_sync"):  # proof that the compiled modules ran, and how often dynamo compiled
                         from torch._dynamo.utils import counters
                         row["dynamo_unique_graphs"] = counters["stats"]["unique_graphs"]

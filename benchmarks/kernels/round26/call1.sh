@@ -1,21 +1,20 @@
 #!/bin/bash
-# Round 26, device call 1: the three-launch step's Top-K launch at 1, 2, 4 (the default) and 8 warps
-# (StepLaunch.topk_warps), chained, and the Top-K alone at 1-2 warps; round 25's unrun call 2: step1_probe.py
-# (where round 21's int8_channel step begins), generate() at Llama-3-8B/128K with key-dtype and int8_channel bounds in
-# one process; the fused-step and bounds/reuse GPU tests.
+# Round 26, device call 1: inductor's programmatic dependent launch (TORCHINDUCTOR_ENABLE_PDL) for the compiled
+# kernels of the captured step: generate() at Llama-2-7B/32K, defaults and HF static + compile, in a process without
+# it and one with it (same tokens?); then the three-launch step's Top-K launch at 1, 2, 4 (the default) and 8 warps
+# (StepLaunch.topk_warps), chained.
 export PYTHONPATH=. ; O=${OUT:-results/round26}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $O/call1_gpu.txt
+python -c "import torch, triton, transformers, torch._inductor.config as c; print(torch.__version__, triton.__version__, \
+transformers.__version__, 'inductor enable_pdl:', getattr(c.triton, 'enable_pdl', 'absent'))" | tee -a $O/call1_gpu.txt
+for P in 0 1; do
+  TORCHINDUCTOR_ENABLE_PDL=$P timeout 190 python scripts/bench_e2e.py --shapes llama2-7b --lengths 32768 \
+    --new-tokens 48 --budgets 2048 --methods quest_graph_c static --out $O/call1_e2e_pdl$P.json > $O/call1_e2e_pdl$P.log 2>&1
+  echo "PDL=$P"; grep -hE '^\| llama' $O/call1_e2e_pdl$P.md | tee -a $O/call1_gpu.txt
+  python -c "import json; print([(r['method'], r['tokens_sha1'][:12]) for r in json.load(open('$O/call1_e2e_pdl$P.json'))['rows']])" \
+    | tee -a $O/call1_gpu.txt
+done
 B="launches=3,score_programs=4"
 timeout 150 python benchmarks/kernels/bench_fused_step.py --rows 7b-32k-alloc 7b-32k-int8c 7b-128k --out $O/call1_fs \
   --configs $B $B,topk_warps=1 $B,topk_warps=2 $B,topk_warps=8 > $O/call1_fused_step.txt 2>&1
-grep -E "SDPA|\[" $O/call1_fused_step.txt | cut -c1-200
-timeout 60 python benchmarks/kernels/bench_topk.py --out $O/call1_topk \
-  --configs keys_per_thread=64,max_warps=1 keys_per_thread=32,max_warps=2 > $O/call1_topk.txt 2>&1
-grep -E "mha-static-32K|mha-static-128K" $O/call1_topk/*.md | head -12
-timeout 90 python benchmarks/kernels/round25/step1_probe.py > $O/call1_step1_probe.txt 2>&1
-grep -v -i warn $O/call1_step1_probe.txt | head -30 | cut -c1-300
-timeout 200 python scripts/bench_e2e.py --shapes llama3-8b --lengths 131072 --budgets 2048 --new-tokens 32 \
-  --methods quest_graph_c quest_graph_c:quest/16/int8_channel --out $O/call1_e2e_8b_128k.json > $O/call1_e2e.log 2>&1
-grep -hE '^\| llama' $O/call1_e2e_8b_128k.md | tee -a $O/call1_gpu.txt
-timeout 100 python -m pytest -q -m gpu tests/gpu/test_gpu_fused_step.py tests/gpu/test_gpu_bounds_reuse.py 2>&1 \
-  | tee $O/call1_pytest.log | tail -3
+grep -E "SDPA|\[" $O/call1_fused_step.txt | cut -c1-150
