@@ -37,7 +37,7 @@ from .families import _decoder_layers
 logger = logging.get_logger("quest_hf")
 
 SUFFIXES = ("RMSNorm", "MLP")
-_compiled: dict = {}  # (function, backend) -> its torch.compile'd version, shared by every model
+_compiled: dict = {}  # (function, backend, pdl) -> its torch.compile'd version, shared by every model
 
 
 @dataclass
@@ -58,6 +58,7 @@ class DecodeCompile:
     # taken by the norm's next call on that sum (`_decode_forward`); cleared by every forward's start and end.
     pending: tuple | None = None
     residual_hits: int = 0  # norm calls that took a pending output (visible to tests)
+    pdl: bool = False  # a compiled function ran with inductor's dependent launches (`inductor_pdl`)
 
 
 # The compile settings of the patched forward in flight (None: none, or one without compile_decode): the shared
@@ -86,15 +87,31 @@ def _is_decode(x, device_types) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def inductor_pdl(device: torch.device) -> bool:
+    """Whether inductor's kernels for `device` launch programmatically dependent on the kernel before them
+    (its `triton.enable_pdl`: each waits for that kernel's end before its first read of what it wrote, and lets the
+    next kernel start after its own last load): where our own kernels do (`pdl_available`: Hopper or newer, not
+    QUEST_HF_PDL=0) and the installed torch's inductor has the option."""
+    import torch._inductor.config as inductor_config
+
+    from triton_kernels._common import pdl_available
+
+    return hasattr(inductor_config.triton, "enable_pdl") and pdl_available(device)
+
+
 def _run_compiled(compiled: DecodeCompile, key: str, fn, eager, *args, **kwargs):
     """`fn` compiled with the model's backend, or (when compiling fails, logged once per model) `eager`."""
     if key not in compiled.failed:
         try:
-            fast = _compiled.get((fn, compiled.backend))
+            pdl = compiled.backend == "inductor" and inductor_pdl(next(a.device for a in args if torch.is_tensor(a)))
+            fast = _compiled.get((fn, compiled.backend, pdl))
             if fast is None:
-                options = _OPTIONS.get(fn) if compiled.backend == "inductor" else None
-                fast = _compiled[(fn, compiled.backend)] = torch.compile(fn, backend=compiled.backend, dynamic=False,
-                                                                         options=options)
+                options = dict(_OPTIONS.get(fn, {})) if compiled.backend == "inductor" else None
+                if pdl:
+                    options["triton.enable_pdl"] = True
+                fast = _compiled[(fn, compiled.backend, pdl)] = torch.compile(fn, backend=compiled.backend,
+                                                                               dynamic=False, options=options)
+            compiled.pdl |= pdl
             return fast(*args, **kwargs), True
         except Exception as e:  # noqa: BLE001 - any compile error: fall back, loudly
             compiled.failed[key] = f"{type(e).__name__}: {e}"

@@ -219,6 +219,39 @@ def test_compile_decode_wraps_norms_and_mlps_for_decode_only(family):
     assert before > 0 or (modeling.apply_rotary_pos_emb is original_rotary and rotary_route(modeling) is None)
 
 
+def test_compile_decode_launches_inductor_kernels_dependently_where_pdl_is(monkeypatch):
+    # Where our kernels launch dependently (Hopper+, quest_hf.fuse.inductor_pdl), the compiled norms, MLPs and rotary
+    # ask inductor for dependent launches too (`triton.enable_pdl`), beside their own options; elsewhere they do not
+    # ask, and `compiled.pdl` says which ran. Dynamo's "eager" backend stands in for inductor on CPU.
+    from quest_hf import fuse, unpatch_model
+
+    real, seen = torch.compile, []
+
+    def fake_compile(fn, backend="inductor", options=None, **kw):
+        seen.append((backend, dict(options or {})))
+        return real(fn, backend="eager", **kw)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(fuse, "_compiled", {})
+    assert fuse.inductor_pdl(torch.device("cpu")) is False
+    model = tiny_model("llama", heads=8, kv_heads=2)
+    ids, mask = left_padded_batch(lengths=(40, 33))
+    patch_model(model, budget=32, compile_decode=False)
+    plain = _gen(model, ids, mask, n=4)
+    for pdl in (False, True):
+        monkeypatch.setattr(fuse, "inductor_pdl", lambda device, on=pdl: on)
+        seen.clear()
+        patch_model(model, budget=32, _compile_devices=("cuda", "cpu"))  # the default backend: inductor
+        out = _gen(model, ids, mask, n=4)
+        assert torch.equal(plain.sequences, out.sequences)
+        assert {"LlamaRMSNorm", "LlamaMLP"} <= {type(m).__name__ for m in model._quest_state.compiled.modules}
+        assert seen and all(backend == "inductor" for backend, _ in seen)
+        assert all(options.get("triton.enable_pdl", False) is pdl for _, options in seen)
+        assert model._quest_state.compiled.pdl is pdl
+    assert any(options.get("emulate_precision_casts") for _, options in seen)  # the residual add's option kept
+    unpatch_model(model)
+
+
 def test_compile_decode_failure_is_logged_and_runs_eagerly(caplog):
     from quest_hf import unpatch_model
 

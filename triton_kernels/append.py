@@ -4,7 +4,7 @@ Layouts follow `_contract.md`: caches `[B, H_kv, C, D]`, metadata `[B, H_kv, C /
 """
 import torch
 
-from ._common import as_u8, check_cache, next_pow2, require_triton, tl, triton
+from ._common import as_u8, check_cache, next_pow2, pdl_available, require_triton, tl, triton
 from .bounds8 import check_chan, quantize_bounds_at_ref, quantize_bounds_ref, quantize_tile, quantize_tile_chan
 
 __all__ = ["append_kv", "append_kv_ref", "append_ticket", "append_token_at", "append_token_at_ref"]
@@ -81,7 +81,11 @@ def _append_kv_kernel(
     ticket_ptr, N_PROGRAMS,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_VALID_NEW: tl.constexpr,
     START_ON_DEVICE: tl.constexpr, USE_BOUNDS8: tl.constexpr, USE_CHAN: tl.constexpr, ADVANCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched dependently: resident before the kernel before it ends; nothing is read until it has
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if START_ON_DEVICE:  # a captured decode step: the write position is device data (one token, one page)
         START = tl.load(start_ptr)
         if ADVANCE:
@@ -168,6 +172,9 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
     bounds8, chan = _split_bounds8(bounds8, H, D, k_cache.device)
     lo8, hi8, sc8 = bounds8 if bounds8 is not None else (valid_u8, valid_u8, valid_u8)
     s8 = (*lo8.stride(), *hi8.stride(), *sc8.stride()) if bounds8 is not None else (0,) * 11
+    # The captured decode's append (the position on the device) launches dependently where PDL is available: its
+    # programs wait, resident, for the kernel before it to end, instead of being launched after it.
+    pdl = start_dev is not None and pdl_available(k_cache.device)
     _append_kv_kernel[(B * H, pages)](
         k_cache, v_cache, kmin, kmax, valid_u8, k_new, v_new, vnew, start_dev if start_dev is not None else valid_u8,
         *k_cache.stride(), *v_cache.stride(), *kmin.stride(), *kmax.stride(), *valid_u8.stride(),
@@ -177,7 +184,8 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
         ticket if ticket is not None else valid_u8, B * H * pages,
         PAGE=k_cache.shape[2] // kmin.shape[2], D=D, BLOCK_D=max(16, next_pow2(D)),
         USE_VALID_NEW=valid_new is not None, START_ON_DEVICE=start_dev is not None, USE_BOUNDS8=bounds8 is not None,
-        USE_CHAN=chan is not None, ADVANCE=ticket is not None, num_warps=4,
+        USE_CHAN=chan is not None, ADVANCE=ticket is not None, PDL=pdl, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 

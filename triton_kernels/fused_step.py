@@ -245,8 +245,10 @@ def _score_count_kernel(
     its head; no Top-K, so it holds only the scoring's registers. A program takes items `pid, pid + grid, ...`:
     with one item a program (the default grid) every head finishes in the same wave; with a resident grid
     (`StepLaunch.score_programs`) the heads finish in order, round by round, so the first heads' Top-Ks and
-    attention run while later heads are still scored."""
+    attention run while later heads are still scored. Under PDL it is itself launched dependently (resident before
+    the kernel before it, the append, ends; it reads nothing until that kernel has ended)."""
     if PDL:
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     cur, p_dead, _ = _step_positions(pos_ptr, P, PAGE, WINDOW, HAS_POS, HAS_WINDOW)
     for i_t in range(tl.program_id(0), N_SCORE, tl.num_programs(0)):
@@ -480,7 +482,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
         quest_step.compiled = (
             _score_count_kernel[(score_grid,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, n_score, page_size,
                                                window,
-                                            **both, **s_meta, PDL=pdl, num_warps=launch.num_warps),
+                                            **both, **s_meta, PDL=pdl, num_warps=launch.num_warps, **after),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
                                         num_warps=launch.topk_warps or launch.num_warps, **after),
             _attend_kernel[(B * H * splits,)](
