@@ -203,6 +203,7 @@ def main(argv=None):
     args.bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     rows = []
     for shape in args.shapes:
+        torch.manual_seed(0)  # the same random weights in every run: tokens_sha1 compares runs of separate processes
         model = build(shape, dtype, device, max(args.lengths) + args.new_tokens)
         for L in args.lengths:
             for B in args.batches:

@@ -82,8 +82,11 @@ class StepLaunch:
     128K 63.9-65.2 vs 68.6, tied at Llama-3-8B shared scores and slower at batch 8; 1-2 an SM score at a fraction of
     the rate (one item in flight a program), so the heads' rounds are few and the gain small. Off by default.
 
-    topk_warps (three launches only): the Top-K launch's warps (None: num_warps), the one role whose time is a chain
-    of dependent block-wide reductions (benchmarks/kernels/round18): fewer warps, cheaper reductions."""
+    topk_warps (three launches only): the Top-K launch's warps; None: the separate Top-K's for the row's tile
+    (`topk.launch_config`: 4 at the 32K decode's 2053 pages, 8 at 128K's 8197). Before round 26 this launch ran
+    num_warps (4) at every width: on an H100 (benchmarks/kernels/round26) the 7B/128K step took 101.7 us with 4 warps,
+    79.8 with 8 (separate kernels 82.9); at 32K 4 and 8 tied (39.1 / 38.8 us); 1 and 2 warps were slower at every
+    row timed (32K: 65.9 / 48.6 us)."""
 
     score_block: int = 64
     score_item: int = 64
@@ -453,7 +456,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
     nchunk = cdiv(P, launch.score_item)
     n_score = B * H * nchunk
     n_total = n_score + B * H * splits
-    tk_block, _, _ = launch_config(P, 1, launch.topk())
+    tk_block, tk_warps, _ = launch_config(P, 1, launch.topk())
     _, tail = tail_config(P, 1, launch.topk())
     valid_u8 = as_u8(valid)
     # The kernels' arguments in groups, so that each launch takes the groups its roles read: pointers, strides, the
@@ -484,7 +487,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
                                                window,
                                             **both, **s_meta, PDL=pdl, num_warps=launch.num_warps, **after),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
-                                        num_warps=launch.topk_warps or launch.num_warps, **after),
+                                        num_warps=launch.topk_warps or tk_warps, **after),
             _attend_kernel[(B * H * splits,)](
                 q, ids, k_cache, v_cache, valid_u8, pos_arg, m_part, l_part, acc_part, out, sinks_arg, state,
                 *q.stride(), *a_strides, H, P, K_out, ids_each, splits, seq_len, page_size, window, *scales,
