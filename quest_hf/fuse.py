@@ -59,6 +59,7 @@ class DecodeCompile:
     pending: tuple | None = None
     residual_hits: int = 0  # norm calls that took a pending output (visible to tests)
     pdl: bool = False  # a compiled function ran with inductor's dependent launches (`inductor_pdl`)
+    pdl_devices: dict = field(default_factory=dict)  # device -> inductor_pdl(device), read at its first call
 
 
 # The compile settings of the patched forward in flight (None: none, or one without compile_decode): the shared
@@ -92,18 +93,27 @@ def inductor_pdl(device: torch.device) -> bool:
     (its `triton.enable_pdl`: each waits for that kernel's end before its first read of what it wrote, and lets the
     next kernel start after its own last load): where our own kernels do (`pdl_available`: Hopper or newer, not
     QUEST_HF_PDL=0) and the installed torch's inductor has the option."""
-    import torch._inductor.config as inductor_config
-
     from triton_kernels._common import pdl_available
 
-    return hasattr(inductor_config.triton, "enable_pdl") and pdl_available(device)
+    return pdl_available(device) and _inductor_has_pdl()
+
+
+@functools.cache
+def _inductor_has_pdl() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")
 
 
 def _run_compiled(compiled: DecodeCompile, key: str, fn, eager, *args, **kwargs):
     """`fn` compiled with the model's backend, or (when compiling fails, logged once per model) `eager`."""
     if key not in compiled.failed:
         try:
-            pdl = compiled.backend == "inductor" and inductor_pdl(next(a.device for a in args if torch.is_tensor(a)))
+            device = next((a.device for a in args if torch.is_tensor(a)), None)
+            pdl = compiled.pdl_devices.get(device)
+            if pdl is None:
+                pdl = compiled.pdl_devices[device] = compiled.backend == "inductor" and device is not None \
+                    and inductor_pdl(device)
             fast = _compiled.get((fn, compiled.backend, pdl))
             if fast is None:
                 options = dict(_OPTIONS.get(fn, {})) if compiled.backend == "inductor" else None

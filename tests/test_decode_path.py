@@ -248,8 +248,8 @@ def test_compile_decode_launches_inductor_kernels_dependently_where_pdl_is(monke
         assert seen and all(backend == "inductor" for backend, _ in seen)
         assert all(options.get("triton.enable_pdl", False) is pdl for _, options in seen)
         assert model._quest_state.compiled.pdl is pdl
+        unpatch_model(model)  # the setting is read once a patch (DecodeCompile.pdl_devices)
     assert any(options.get("emulate_precision_casts") for _, options in seen)  # the residual add's option kept
-    unpatch_model(model)
 
 
 def test_compile_decode_failure_is_logged_and_runs_eagerly(caplog):
