@@ -122,8 +122,12 @@ def _cuda_sms(index: int) -> int:
 
 def pdl_available(device: torch.device) -> bool:
     """Whether a launch on `device` can be programmatically dependent on the one before it (Hopper or newer, a
-    Triton that takes `launch_pdl`; never under the interpreter; QUEST_HF_PDL=0 turns it off)."""
-    if not HAS_TRITON or device.type != "cuda" or interpreting() or os.environ.get("QUEST_HF_PDL", "1") == "0":
+    Triton that takes `launch_pdl`; never under the interpreter; QUEST_HF_PDL=0 turns it off). Never for a kernel
+    launched inside a `torch.compile` trace (`QuestConfig(compile_step=True)`): inductor's launcher of a traced
+    Triton kernel cannot analyse its `griddepcontrol` instructions (round 26: the compiled step failed or gave other
+    logits with the append launched dependently)."""
+    if (not HAS_TRITON or device.type != "cuda" or interpreting() or os.environ.get("QUEST_HF_PDL", "1") == "0"
+            or torch.compiler.is_compiling()):
         return False
     return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
 

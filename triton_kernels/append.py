@@ -173,9 +173,8 @@ def _launch(k_cache, v_cache, kmin, kmax, valid, k_new, v_new, valid_new, start,
     lo8, hi8, sc8 = bounds8 if bounds8 is not None else (valid_u8, valid_u8, valid_u8)
     s8 = (*lo8.stride(), *hi8.stride(), *sc8.stride()) if bounds8 is not None else (0,) * 11
     # The captured decode's append (the position on the device) launches dependently where PDL is available: its
-    # programs wait, resident, for the kernel before it to end, instead of being launched after it. Not inside a
-    # torch.compile trace (QuestConfig.compile_step): inductor's launcher of a traced kernel does not take it.
-    pdl = start_dev is not None and pdl_available(k_cache.device) and not torch.compiler.is_compiling()
+    # programs wait, resident, for the kernel before it to end, instead of being launched after it.
+    pdl = start_dev is not None and pdl_available(k_cache.device)
     _append_kv_kernel[(B * H, pages)](
         k_cache, v_cache, kmin, kmax, valid_u8, k_new, v_new, vnew, start_dev if start_dev is not None else valid_u8,
         *k_cache.stride(), *v_cache.stride(), *kmin.stride(), *kmax.stride(), *valid_u8.stride(),
