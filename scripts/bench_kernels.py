@@ -464,6 +464,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--topk-launch", nargs="*", default=[], metavar="NAME=VALUE",
                     help="TopKLaunch fields for the sweep's Top-K (e.g. tail_tile=64; default: the library's)")
+    ap.add_argument("--score-mma", choices=["auto", "on", "off"], default="auto",
+                    help="the score kernel's tensor-core form (ScoreLaunch.mma: auto = GQA only, the default)")
     ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
     ap.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8", "int8_channel"],
                     help="page bounds of each row (QuestConfig.bounds; int8: 8-bit codes + a scale a page; "
@@ -493,6 +495,9 @@ def main(argv=None):
     global VARIANTS, TUNE_STAGES, EXTRA_PAGES
     VARIANTS, TUNE_STAGES, EXTRA_PAGES = args.variants, tuple(args.tune_stages), args.extra_pages
     meta["extra_pages"] = EXTRA_PAGES
+    if args.score_mma != "auto":
+        LAUNCH["score"] = dataclasses.replace(LAUNCH["score"], mma=args.score_mma == "on")
+    meta["score_mma"] = args.score_mma
     if args.topk_launch:
         LAUNCH["topk"] = set_topk_launch(args.topk_launch)
         meta["topk_launch"] = " ".join(args.topk_launch)

@@ -160,11 +160,16 @@ SCORE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("mma", [None, True, False])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,ws,reduce,dtype,pad", SCORE_CASES)
-def test_score_matches_reference(B, Hq, Hkv, D, S, L, ws, reduce, dtype, pad):
+def test_score_matches_reference(B, Hq, Hkv, D, S, L, ws, reduce, dtype, pad, mma):
     kc, vc, kmin, kmax, valid = filled_layer(B, Hkv, D, S, L, dtype, seed=L, pad=pad)
     q = torch.randn(B, Hq, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
-    got = tk.score_pages(q, kmin, kmax, L, S, ws, reduce)
+    launch = tk.score.ScoreLaunch(mma=mma)
+    form = tk.score_form(q, kmin, launch=launch)
+    # The tensor-core form: float bounds in q's 16-bit dtype; by default only for a group of 2+ query heads.
+    assert form == ("mma" if dtype != F32 and mma is not False and (mma or Hq > Hkv) else "elementwise")
+    got = tk.score_pages(q, kmin, kmax, L, S, ws, reduce, launch=launch)
     want = tk.score_pages_ref(q, kmin, kmax, L, S, ws, reduce)
     assert got.dtype == torch.float32 and got.shape == want.shape
     inf = ~want.isfinite()

@@ -38,8 +38,8 @@ import torch
 
 from . import topk as _topk
 from ._common import as_u8, cdiv, interpreting, next_pow2, num_sms, pdl_available, require_triton, tl, triton
+from .score import ScoreLaunch, _mma_code, _score_block, score_pages_ref
 from .score import _check as _check_score
-from .score import _score_block, score_pages_ref
 from .sparse_attention import (
     LOG2E,
     AttentionLaunch,
@@ -86,7 +86,10 @@ class StepLaunch:
     (`topk.launch_config`: 4 at the 32K decode's 2053 pages, 8 at 128K's 8197). Before round 26 this launch ran
     num_warps (4) at every width: on an H100 (benchmarks/kernels/round26) the 7B/128K step took 101.7 us with 4 warps,
     79.8 with 8 (separate kernels 82.9); at 32K 4 and 8 tied (39.1 / 38.8 us); 1 and 2 warps were slower at every
-    row timed (32K: 65.9 / 48.6 us)."""
+    row timed (32K: 65.9 / 48.6 us).
+
+    score_mma (three launches only): the scoring launch takes the score kernel's tensor-core form (`ScoreLaunch.mma`
+    True: `score_form`) where the bounds allow it."""
 
     score_block: int = 64
     score_item: int = 64
@@ -99,6 +102,7 @@ class StepLaunch:
     launches: int = 1
     score_programs: int = 0
     topk_warps: int | None = None
+    score_mma: bool = False
 
     def __post_init__(self):
         if self.score_item % self.score_block:
@@ -242,7 +246,7 @@ def _score_count_kernel(
     H_KV, P, NCHUNK, N_SCORE, PAGE, WINDOW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr,
 ):
     """The three-launch step's first launch (`StepLaunch.launches`): score items, head-major, each counted toward
     its head; no Top-K, so it holds only the scoring's registers. A program takes items `pid, pid + grid, ...`:
@@ -259,7 +263,8 @@ def _score_count_kernel(
                     stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                     stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
                     H_KV, P, NCHUNK, 1, 1, cur, p_dead,
-                    G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, 16, 0, 16, False, False)
+                    G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, 16, 0, 16, False, False,
+                    MMA, G_MMA)
 
 
 @triton.jit
@@ -353,7 +358,7 @@ def _score_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
     TK_BLOCK: tl.constexpr, TAIL: tl.constexpr, RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr,
-    TOPK: tl.constexpr = True,
+    TOPK: tl.constexpr = True, MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16,
 ):
     """Score item `i_t`: `SCORE_ITEM` pages of one KV head (head-major), counted toward the head's Top-K; with TOPK,
     the head's last item to finish runs the head's Top-K and raises the head's flag (else `_topk_wait_kernel`
@@ -367,7 +372,7 @@ def _score_item(
                      stride_xb, stride_xh, stride_xp, stride_xd, H_KV * P, P, 1,
                      P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
                      scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd,
-                     USE_CHAN)
+                     USE_CHAN, MMA, G_MMA)
     # Every thread's score stores are ordered before the count by the barrier and the atomic's release; the
     # head's last item acquires them and reads the row from L2 (.cg: L1 is not coherent across programs).
     tl.debug_barrier()
@@ -479,13 +484,15 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
         # `quest_step.compiled`: the three compiled kernels, for bench_fused_step.py's report.
         pdl = quest_step.overlapped = pdl_available(q.device)
         score_grid = n_score
+        mma = _mma_code(q, kmin, scale, ScoreLaunch(block_p=launch.score_block, mma=launch.score_mma))
         if launch.score_programs:
             score_grid = min(n_score, launch.score_programs * num_sms(q.device))
         after = {"launch_pdl": True} if pdl else {}
         quest_step.compiled = (
             _score_count_kernel[(score_grid,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, n_score, page_size,
                                                window,
-                                            **both, **s_meta, PDL=pdl, num_warps=launch.num_warps, **after),
+                                            **both, **s_meta, PDL=pdl, MMA=mma, G_MMA=max(16, next_pow2(G)),
+                                            num_warps=launch.num_warps, **after),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
                                         num_warps=launch.topk_warps or tk_warps, **after),
             _attend_kernel[(B * H * splits,)](

@@ -3,10 +3,22 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import cdiv, check_due, check_out, check_query, due_arg, due_flag, next_pow2, require_triton, tl, triton
+from ._common import (
+    cdiv,
+    check_due,
+    check_out,
+    check_query,
+    due_arg,
+    due_flag,
+    interpreting,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 from .bounds8 import check_chan
 
-__all__ = ["score_pages", "score_pages_ref", "REDUCES"]
+__all__ = ["score_form", "score_pages", "score_pages_ref", "REDUCES"]
 
 # How the query heads of a KV group are combined: "none" keeps one row per query head (the union
 # policy takes the union of their Top-K later); "max"/"sum" share one score row per KV head.
@@ -132,9 +144,30 @@ class ScoreLaunch:
 
     block_p: int = 32
     num_warps: int = 4
+    mma: bool | None = None
 
 
 SCORE_LAUNCH = ScoreLaunch()
+_MMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def score_form(q, kmin, scale=None, launch: ScoreLaunch = SCORE_LAUNCH) -> str:
+    """How `score_pages` computes a block's scores for these inputs: "mma" (two tensor-core products a KV group,
+    `max(q, 0) @ hi^T + min(q, 0) @ lo^T`) or "elementwise" (each query head's `max(q * lo, q * hi)` summed over
+    channels). "mma" needs float bounds in q's own 16-bit dtype (the halves of q stay exact in it); `launch.mma`
+    True takes it wherever it can, False never, None (default) where a KV group has two or more query heads."""
+    ok = kmin.dtype == q.dtype and q.dtype in _MMA_DTYPES and scale is None and launch.block_p >= 16
+    G = q.shape[1] // kmin.shape[1]
+    want = launch.mma if launch.mma is not None else G >= 2
+    return "mma" if ok and want else "elementwise"
+
+
+def _mma_code(q, kmin, scale, launch) -> int:
+    """`_score_block`'s MMA constexpr: 0 elementwise, 1 tensor-core products, 2 the same in fp32 operands (bf16
+    under Triton's interpreter, which holds bf16 as raw bits)."""
+    if score_form(q, kmin, scale, launch) != "mma":
+        return 0
+    return 2 if interpreting() and q.dtype == torch.bfloat16 else 1
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
@@ -149,10 +182,15 @@ def _score_block(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE: tl.constexpr,
     chan_ptr, stride_ch, stride_cd, USE_CHAN: tl.constexpr,
+    MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16,
 ):
     """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
     bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise). USE_SCALE: int8 codes
-    times their page's fp32 scale (triton_kernels/bounds8.py); USE_CHAN: times the KV head's channel scales too."""
+    times their page's fp32 scale (triton_kernels/bounds8.py); USE_CHAN: times the KV head's channel scales too.
+    MMA 1 (float bounds in q's 16-bit dtype; see `score_form`; 2 under the interpreter with bf16): the group's scores as two tensor-core products,
+    `max(q * lo, q * hi) = max(q, 0) * hi + min(q, 0) * lo` per channel, so `s = q+ @ hi^T + q- @ lo^T` with q's G
+    rows padded to G_MMA: the halves of q are exact in its dtype and each product exact in the fp32 accumulator,
+    so only the sum's rounding differs from the elementwise form."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
@@ -160,44 +198,72 @@ def _score_block(
     # The tile is read from HBM once and scored for every query head of the KV group.
     p_lo = kmin_ptr + o_row[:, None] * stride_nb + i_h * stride_nh + o_p[:, None] * stride_np + o_d[None, :] * stride_nd
     p_hi = kmax_ptr + o_row[:, None] * stride_xb + i_h * stride_xh + o_p[:, None] * stride_xp + o_d[None, :] * stride_xd
-    b_lo = tl.load(p_lo, mask=m_pd, other=0).to(tl.float32)
-    b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32)
-    if USE_SCALE:  # the same fp32 product bounds8 checked its rounding against
-        b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
-        if USE_CHAN:
-            # code x channel scale here, x the page's 2^e on the page's sum below: scaling by a power of two is
-            # exact, so this is the reference's code x (channel scale x 2^e) up to the order of the D-term sum,
-            # with one product an element (the same work as the page-scale codes).
-            b_cs = tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
-            b_lo = b_lo * b_cs[None, :]
-            b_hi = b_hi * b_cs[None, :]
-        else:
-            b_lo = b_lo * b_sc[:, None]
-            b_hi = b_hi * b_sc[:, None]
     # Same emptiness test as the reference (first channel only); these addresses are already in L1.
     b_lo0 = tl.load(kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0)
     b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0)
     m_dead = (b_lo0.to(tl.float32) > b_hi0.to(tl.float32)) | (o_p < P_DEAD)
     m_cur = (o_p == P - 1) | (o_p == CUR)
-
-    b_acc = tl.full([BLOCK_P], float("-inf") if REDUCE == 1 else 0.0, tl.float32)
-    for g in tl.static_range(G):
-        b_q = tl.load(q_ptr + i_b * stride_qb + (i_h * G + g) * stride_qh + o_d * stride_qd,
-                      mask=m_d, other=0.0).to(tl.float32)
-        b_s = tl.sum(tl.maximum(b_q[None, :] * b_lo, b_q[None, :] * b_hi), axis=1)
-        if USE_CHAN:  # (the launcher takes chan only with scale)
-            b_s = b_s * b_sc
+    if MMA:
+        o_g = tl.arange(0, G_MMA)
+        m_g = o_g < G
+        b_lo = tl.load(p_lo, mask=m_pd, other=0)
+        b_hi = tl.load(p_hi, mask=m_pd, other=0)
+        b_qg = tl.load(q_ptr + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :] * stride_qd,
+                       mask=m_g[:, None] & m_d[None, :], other=0.0)
+        if MMA == 2:  # Triton's interpreter holds bf16 as raw bits: its dot takes them in fp32 (the same products)
+            b_qg, b_lo, b_hi = b_qg.to(tl.float32), b_lo.to(tl.float32), b_hi.to(tl.float32)
+        b_zero = tl.zeros_like(b_qg)
+        m_qp = b_qg > b_zero  # (a select keeps q's dtype: bf16 max / min would be fp32)
+        b_qp = tl.where(m_qp, b_qg, b_zero)
+        b_qn = tl.where(m_qp, b_zero, b_qg)
+        b_sg = tl.dot(b_qp, tl.trans(b_hi), out_dtype=tl.float32)
+        b_sg = tl.dot(b_qn, tl.trans(b_lo), acc=b_sg)  # [G_MMA, BLOCK_P]
         # Empty pages hold +-inf bounds, so their sum may be NaN (0 * inf): overwritten here.
-        b_s = tl.where(m_dead, float("-inf"), b_s)
-        b_s = tl.where(m_cur, float("inf"), b_s)
+        b_sg = tl.where(m_dead[None, :], float("-inf"), b_sg)
+        b_sg = tl.where(m_cur[None, :], float("inf"), b_sg)
         if REDUCE == 0:
-            tl.store(out_ptr + i_b * stride_ob + (i_h * G + g) * stride_oh + o_p * stride_op, b_s, mask=m_p)
+            tl.store(out_ptr + i_b * stride_ob + (i_h * G + o_g)[:, None] * stride_oh + o_p[None, :] * stride_op,
+                     b_sg, mask=m_g[:, None] & m_p[None, :])
         elif REDUCE == 1:
-            b_acc = tl.maximum(b_acc, b_s)
+            tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op,
+                     tl.max(tl.where(m_g[:, None], b_sg, float("-inf")), axis=0), mask=m_p)
         else:
-            b_acc = b_acc + b_s
-    if REDUCE != 0:
-        tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_acc, mask=m_p)
+            tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op,
+                     tl.sum(tl.where(m_g[:, None], b_sg, 0.0), axis=0), mask=m_p)
+    else:
+        b_lo = tl.load(p_lo, mask=m_pd, other=0).to(tl.float32)
+        b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32)
+        if USE_SCALE:  # the same fp32 product bounds8 checked its rounding against
+            b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
+            if USE_CHAN:
+                # code x channel scale here, x the page's 2^e on the page's sum below: scaling by a power of two is
+                # exact, so this is the reference's code x (channel scale x 2^e) up to the order of the D-term sum,
+                # with one product an element (the same work as the page-scale codes).
+                b_cs = tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
+                b_lo = b_lo * b_cs[None, :]
+                b_hi = b_hi * b_cs[None, :]
+            else:
+                b_lo = b_lo * b_sc[:, None]
+                b_hi = b_hi * b_sc[:, None]
+
+        b_acc = tl.full([BLOCK_P], float("-inf") if REDUCE == 1 else 0.0, tl.float32)
+        for g in tl.static_range(G):
+            b_q = tl.load(q_ptr + i_b * stride_qb + (i_h * G + g) * stride_qh + o_d * stride_qd,
+                          mask=m_d, other=0.0).to(tl.float32)
+            b_s = tl.sum(tl.maximum(b_q[None, :] * b_lo, b_q[None, :] * b_hi), axis=1)
+            if USE_CHAN:  # (the launcher takes chan only with scale)
+                b_s = b_s * b_sc
+            # Empty pages hold +-inf bounds, so their sum may be NaN (0 * inf): overwritten here.
+            b_s = tl.where(m_dead, float("-inf"), b_s)
+            b_s = tl.where(m_cur, float("inf"), b_s)
+            if REDUCE == 0:
+                tl.store(out_ptr + i_b * stride_ob + (i_h * G + g) * stride_oh + o_p * stride_op, b_s, mask=m_p)
+            elif REDUCE == 1:
+                b_acc = tl.maximum(b_acc, b_s)
+            else:
+                b_acc = b_acc + b_s
+        if REDUCE != 0:
+            tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_acc, mask=m_p)
 
 
 @triton.jit
@@ -211,7 +277,7 @@ def _score_pages_kernel(
     H_KV, P, P_DEAD, PAGE, WINDOW, chan_ptr, stride_ch, stride_cd,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
-    USE_CHAN: tl.constexpr,
+    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr,
 ):
     # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
     # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
@@ -235,7 +301,8 @@ def _score_pages_kernel(
                      stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                      stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
                      P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
-                     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd, USE_CHAN)
+                     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd, USE_CHAN,
+                     MMA, G_MMA)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
@@ -270,6 +337,6 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         chan if chan is not None else out, *(chan.stride() if chan is not None else (0, 0)),
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None, USE_CHAN=chan is not None,
-        num_warps=launch.num_warps,
+        MMA=_mma_code(q, kmin, scale, launch), G_MMA=max(16, next_pow2(G)), num_warps=launch.num_warps,
     )
     return out

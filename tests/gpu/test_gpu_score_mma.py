@@ -1,0 +1,58 @@
+"""GPU-marked: the score kernel's tensor-core form (`ScoreLaunch.mma`, `score_form`) against its elementwise form
+and the reference at real sizes: fp16 and bf16, MHA and GQA groups, every reduce, dead and forced pages.
+
+Skipped without CUDA; run on the device: `python -m pytest -q -m gpu tests/gpu/test_gpu_score_mma.py`.
+"""
+import pytest
+import torch
+
+import triton_kernels as tk
+from triton_kernels.score import ScoreLaunch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+def _bounds(B, H, P, D, dtype, empty, seed=0):
+    g = torch.Generator(DEV).manual_seed(seed)
+    keys = torch.randn(B, H, P, 16, D, generator=g, device=DEV).to(dtype)
+    kmin, kmax = keys.amin(3), keys.amax(3)
+    kmin[:, :, P - empty:] = float("inf")  # the captured decode's room for new tokens: empty pages
+    kmax[:, :, P - empty:] = float("-inf")
+    return kmin, kmax
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, Hq, H", [(1, 32, 8), (1, 32, 32), (8, 32, 8), (1, 28, 4), (2, 12, 2)])
+@pytest.mark.parametrize("reduce", ["none", "max", "sum"])
+def test_mma_scores_match_the_elementwise_form_and_the_reference(dtype, B, Hq, H, reduce):
+    D, S, P, empty = 128, 16, 2053, 5
+    kmin, kmax = _bounds(B, H, P, D, dtype, empty)
+    q = torch.randn(B, Hq, D, device=DEV).to(dtype)
+    pos = torch.tensor((P - empty) * S - 3, device=DEV)
+    C = P * S
+    got = {}
+    for mma in (True, False):
+        launch = ScoreLaunch(mma=mma)
+        assert tk.score_form(q, kmin, launch=launch) == ("mma" if mma else "elementwise")
+        out = torch.full((B, Hq if reduce == "none" else H, P), float("nan"), device=DEV)
+        got[mma] = tk.score_pages(q, kmin, kmax, C, S, 64, reduce, pos=pos, launch=launch, out=out)
+    ref = tk.score_pages_ref(q, kmin, kmax, C, S, 64, reduce, pos=pos)
+    fin = ref.isfinite()
+    assert (ref == float("-inf")).any() and (ref == float("inf")).any()
+    for s in got.values():
+        assert torch.equal(fin, s.isfinite()) and torch.equal(s[~fin], ref[~fin])
+        torch.testing.assert_close(s[fin], ref[fin], atol=1e-3, rtol=1e-4)
+    # The same pages chosen (ids as sets; random scores have no near-ties at this size).
+    k, group = 129, Hq // H if reduce == "none" else 1
+    a, b = tk.topk_pages(got[True], k, group), tk.topk_pages(got[False], k, group)
+    assert [set(r.tolist()) for r in a.flatten(0, 1)] == [set(r.tolist()) for r in b.flatten(0, 1)]
+
+
+def test_default_form_is_mma_for_gqa_and_elementwise_where_it_cannot_hold():
+    q16 = torch.zeros(1, 32, 128, device=DEV, dtype=torch.float16)
+    b16 = torch.zeros(1, 8, 4, 128, device=DEV, dtype=torch.float16)
+    assert tk.score_form(q16, b16) == "mma"
+    assert tk.score_form(q16, torch.zeros(1, 32, 4, 128, device=DEV, dtype=torch.float16)) == "elementwise"  # MHA
+    assert tk.score_form(q16.float(), b16) == "elementwise"  # q in another dtype than the bounds
+    assert tk.score_form(q16, b16.to(torch.int8), scale=torch.ones(1, 8, 4, device=DEV)) == "elementwise"
