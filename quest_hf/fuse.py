@@ -25,6 +25,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import os
 import textwrap
 from dataclasses import dataclass, field
 
@@ -92,10 +93,11 @@ def inductor_pdl(device: torch.device) -> bool:
     """Whether inductor's kernels for `device` launch programmatically dependent on the kernel before them
     (its `triton.enable_pdl`: each waits for that kernel's end before its first read of what it wrote, and lets the
     next kernel start after its own last load): where our own kernels do (`pdl_available`: Hopper or newer, not
-    QUEST_HF_PDL=0) and the installed torch's inductor has the option."""
+    QUEST_HF_PDL=0) and the installed torch's inductor has the option; QUEST_HF_INDUCTOR_PDL=0 turns off inductor's
+    alone."""
     from triton_kernels._common import pdl_available
 
-    return pdl_available(device) and _inductor_has_pdl()
+    return pdl_available(device) and _inductor_has_pdl() and os.environ.get("QUEST_HF_INDUCTOR_PDL", "1") != "0"
 
 
 @functools.cache

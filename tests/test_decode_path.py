@@ -252,6 +252,21 @@ def test_compile_decode_launches_inductor_kernels_dependently_where_pdl_is(monke
     assert any(options.get("emulate_precision_casts") for _, options in seen)  # the residual add's option kept
 
 
+def test_inductor_pdl_follows_our_kernels_and_its_own_switch(monkeypatch):
+    # inductor's dependent launches go with our kernels' (pdl_available) and an inductor that has the option;
+    # QUEST_HF_INDUCTOR_PDL=0 turns off inductor's alone (QUEST_HF_PDL=0, read by pdl_available, turns off both).
+    import triton_kernels._common as common
+    from quest_hf import fuse
+
+    monkeypatch.setattr(fuse, "_inductor_has_pdl", lambda: True)
+    for ours in (False, True):
+        monkeypatch.setattr(common, "pdl_available", lambda device, on=ours: on)
+        monkeypatch.delenv("QUEST_HF_INDUCTOR_PDL", raising=False)
+        assert fuse.inductor_pdl(torch.device("cuda")) is ours
+        monkeypatch.setenv("QUEST_HF_INDUCTOR_PDL", "0")
+        assert fuse.inductor_pdl(torch.device("cuda")) is False
+
+
 def test_compile_decode_failure_is_logged_and_runs_eagerly(caplog):
     from quest_hf import unpatch_model
 

@@ -43,10 +43,16 @@ def test_mma_scores_match_the_elementwise_form_and_the_reference(dtype, B, Hq, H
     for s in got.values():
         assert torch.equal(fin, s.isfinite()) and torch.equal(s[~fin], ref[~fin])
         torch.testing.assert_close(s[fin], ref[fin], atol=1e-3, rtol=1e-4)
-    # The same pages chosen (ids as sets; random scores have no near-ties at this size).
+    # The same pages chosen, but where the two forms' rounding reorders a near-tie at a query head's k-th score:
+    # a page one form chooses and the other does not sits within the scores' tolerance of that head's k-th score.
     k, group = 129, Hq // H if reduce == "none" else 1
     a, b = tk.topk_pages(got[True], k, group), tk.topk_pages(got[False], k, group)
-    assert [set(r.tolist()) for r in a.flatten(0, 1)] == [set(r.tolist()) for r in b.flatten(0, 1)]
+    s = ref.reshape(B, -1, group, P)  # [B, rows of ids, group, P]
+    kth = s.topk(k, dim=-1).values[..., -1:]  # each query head's k-th score
+    for i, (x, y) in enumerate(zip(a.flatten(0, 1).tolist(), b.flatten(0, 1).tolist())):
+        for page in set(x) ^ set(y):
+            near = (s.flatten(0, 1)[i, :, page] - kth.flatten(0, 1)[i, :, 0]).abs()
+            assert page >= 0 and (near <= 1e-3 + 1e-4 * kth.flatten(0, 1)[i, :, 0].abs()).any(), (i, page)
 
 
 def test_default_form_is_mma_for_gqa_and_elementwise_where_it_cannot_hold():

@@ -1,10 +1,14 @@
 #!/bin/bash
-# Round 27, device call 3: the compiled-step GPU file; generate() at Llama-2-7B/128K with the defaults and with the
-# separate kernels (the three-launch step's Top-K warps of round 26, not yet timed in generate()).
+# Round 27, device call 3: call 2's test_gpu_pdl failures (PDL on vs off: logits not bitwise equal, both cases), run
+# twice as is and twice with inductor's dependent launches off (QUEST_HF_INDUCTOR_PDL=0: our kernels' stay on); the
+# score-form test with its near-tie check.
 export PYTHONPATH=. ; O=${OUT:-results/round27}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $O/call3_gpu.txt
-timeout 200 python -m pytest -q -m gpu tests/gpu/test_gpu_compiled_step.py 2>&1 \
-  | tee $O/call3_pytest.log | tail -3 | tee -a $O/call3_gpu.txt
-timeout 150 python scripts/bench_e2e.py --shapes llama2-7b --lengths 131072 --new-tokens 32 --budgets 2048 \
-  --methods quest_graph_c quest_graph_c:quest/16/key_dtype/sep --out $O/call3_e2e_7b_128k.json > $O/call3_e2e.log 2>&1
-grep -hE '^\| llama' $O/call3_e2e_7b_128k.md | tee -a $O/call3_gpu.txt
+timeout 60 python -m pytest -q -m gpu tests/gpu/test_gpu_score_mma.py 2>&1 | tee $O/call3_mma.log | tail -1 \
+  | tee -a $O/call3_gpu.txt
+for i in ${RUNS:-1 2}; do
+  timeout 100 python -m pytest -q -m gpu tests/gpu/test_gpu_pdl.py 2>&1 | tee $O/call3_pdl_$i.log | tail -1 \
+    | sed "s/^/as is $i: /" | tee -a $O/call3_gpu.txt
+  QUEST_HF_INDUCTOR_PDL=0 timeout 100 python -m pytest -q -m gpu tests/gpu/test_gpu_pdl.py 2>&1 \
+    | tee $O/call3_pdl_noind_$i.log | tail -1 | sed "s/^/inductor PDL off $i: /" | tee -a $O/call3_gpu.txt
+done
