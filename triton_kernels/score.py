@@ -172,6 +172,8 @@ def _mma_code(q, kmin, scale, launch) -> int:
     if score_form(q, kmin, scale, launch) != "mma":
         return 0
     return 2 if interpreting() and q.dtype == torch.bfloat16 else 1
+
+
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
@@ -191,10 +193,10 @@ def _score_block(
     """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
     bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise). USE_SCALE: int8 codes
     times their page's fp32 scale (triton_kernels/bounds8.py); USE_CHAN: times the KV head's channel scales too.
-    MMA 1 (float bounds in q's 16-bit dtype; see `score_form`; 2 under the interpreter with bf16): the group's scores as two tensor-core products,
-    `max(q * lo, q * hi) = max(q, 0) * hi + min(q, 0) * lo` per channel, so `s = q+ @ hi^T + q- @ lo^T` with q's G
-    rows padded to G_MMA: the halves of q are exact in its dtype and each product exact in the fp32 accumulator,
-    so only the sum's rounding differs from the elementwise form."""
+    MMA 1 (float bounds in q's 16-bit dtype, see `score_form`; 2: the same under the interpreter with bf16): the
+    group's scores as two tensor-core products, `max(q * lo, q * hi) = max(q, 0) * hi + min(q, 0) * lo` per channel,
+    so `s = q+ @ hi^T + q- @ lo^T` with q's G rows padded to G_MMA: the halves of q are exact in its dtype and each
+    product exact in the fp32 accumulator, so only the sum's rounding differs from the elementwise form."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
