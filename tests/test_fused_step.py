@@ -31,7 +31,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("launch", [SMALL, THREE, RESIDENT], ids=["one-launch", "three-launches", "resident-scoring"])
+# The scoring launch in the tensor-core form (`StepLaunch.score_mma`; fp16 key-dtype bounds take it, the others not).
+THREE_MMA = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, score_mma=True)
+
+
+@pytest.mark.parametrize("launch", [SMALL, THREE, RESIDENT, THREE_MMA],
+                         ids=["one-launch", "three-launches", "resident-scoring", "three-launches-mma"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,reduce,bounds,use_pos,window,softcap,sinks", CASES)
 def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, reduce, bounds, use_pos, window,
                                            softcap, sinks, launch, monkeypatch):

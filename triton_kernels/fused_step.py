@@ -32,13 +32,14 @@ Rows are one a KV head: MHA, or GQA with a shared score (`reduce="max"` / `"sum"
 launch, so a caller keeps one zeroed workspace per layer (or per stream) and a captured graph replays with no
 memset.
 """
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import topk as _topk
 from ._common import as_u8, cdiv, interpreting, next_pow2, num_sms, pdl_available, require_triton, tl, triton
-from .score import ScoreLaunch, _mma_code, _score_block, score_pages_ref
+from .score import ScoreLaunch, _score_block, mma_meta, score_pages_ref
 from .score import _check as _check_score
 from .sparse_attention import (
     LOG2E,
@@ -119,6 +120,11 @@ class StepLaunch:
     def topk(self):
         """The `TopKLaunch` whose lean path the fused Top-K takes."""
         return replace(_topk.TOPK_LAUNCH, lean=self.lean_keys)
+
+    @functools.cached_property
+    def score_form(self) -> ScoreLaunch:
+        """The `ScoreLaunch` whose form (`score_form`) the three-launch step's scoring takes."""
+        return ScoreLaunch(block_p=self.score_block, mma=self.score_mma)
 
 
 STEP_LAUNCH = StepLaunch()
@@ -484,15 +490,14 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
         # `quest_step.compiled`: the three compiled kernels, for bench_fused_step.py's report.
         pdl = quest_step.overlapped = pdl_available(q.device)
         score_grid = n_score
-        mma = _mma_code(q, kmin, scale, ScoreLaunch(block_p=launch.score_block, mma=launch.score_mma))
         if launch.score_programs:
             score_grid = min(n_score, launch.score_programs * num_sms(q.device))
         after = {"launch_pdl": True} if pdl else {}
         quest_step.compiled = (
             _score_count_kernel[(score_grid,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, n_score, page_size,
                                                window,
-                                            **both, **s_meta, PDL=pdl, MMA=mma, G_MMA=max(16, next_pow2(G)),
-                                            num_warps=launch.num_warps, **after),
+                                            **both, **s_meta, PDL=pdl, num_warps=launch.num_warps, **after,
+                                            **mma_meta(q, kmin, scale, launch.score_form)),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
                                         num_warps=launch.topk_warps or tk_warps, **after),
             _attend_kernel[(B * H * splits,)](

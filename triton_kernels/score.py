@@ -166,12 +166,13 @@ def score_form(q, kmin, scale=None, launch: ScoreLaunch = SCORE_LAUNCH) -> str:
     return "mma" if ok and want else "elementwise"
 
 
-def _mma_code(q, kmin, scale, launch) -> int:
-    """`_score_block`'s MMA constexpr: 0 elementwise, 1 tensor-core products, 2 the same in fp32 operands (bf16
-    under Triton's interpreter, which holds bf16 as raw bits)."""
-    if score_form(q, kmin, scale, launch) != "mma":
-        return 0
-    return 2 if interpreting() and q.dtype == torch.bfloat16 else 1
+def mma_meta(q, kmin, scale, launch) -> dict:
+    """`_score_block`'s MMA constexprs for a launch: MMA 0 elementwise, 1 tensor-core products, 2 the same in fp32
+    operands (bf16 under Triton's interpreter, which holds bf16 as raw bits); G_MMA the group's rows padded."""
+    mma = 0
+    if score_form(q, kmin, scale, launch) == "mma":
+        mma = 2 if interpreting() and q.dtype == torch.bfloat16 else 1
+    return dict(MMA=mma, G_MMA=max(16, next_pow2(q.shape[1] // kmin.shape[1])))
 
 
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
@@ -343,6 +344,6 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         chan if chan is not None else out, *(chan.stride() if chan is not None else (0, 0)),
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None, USE_CHAN=chan is not None,
-        MMA=_mma_code(q, kmin, scale, launch), G_MMA=max(16, next_pow2(G)), num_warps=launch.num_warps,
+        **mma_meta(q, kmin, scale, launch), num_warps=launch.num_warps,
     )
     return out
