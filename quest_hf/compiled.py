@@ -29,8 +29,9 @@ a layer, and from Python that host work, not the GPU, set its pace (16 layers of
 against 3.1 ms of kernels; 3.8 ms from C++), its entry compiled apart at -O1 (`cpp_wrapper_options`). The step
 stays host-bound: its pace follows the lent host's CPU (the same 16 layers ran 6.4 ms a step on a slower host,
 where dynamo's guard check alone took 1.6 ms of it; whole 7B at 32K: 8.3 ms a step on one host, 16.0 on another).
-Dynamo compiles at most `recompile_limit` (8) shapes of the step in a process, after which it runs the step
-uncompiled and says so in its own warning.
+Dynamo compiles at most `recompile_limit` (8) shapes of one function in a process, and every patched model's step is
+the same function: past that, a fresh copy of it takes the new shapes (quest_hf/recompile.py; `copies` counts them,
+and each is logged); past `MAX_COPIES` copies the steps run eagerly and `failed` says why.
 
 What happened is visible: `cache.decode_path` ("compiled, uncaptured: <why no graph>", or "eager: <why>" with the
 compile error when compiling failed), and `calls` / `traced_calls` / `failed` / `wrapper` on
@@ -42,6 +43,8 @@ import os
 import weakref
 
 import torch
+
+from .recompile import Compiled, limit_hit
 
 _ACTIVE: list = []  # the QuestCache of the compiled step in flight (a stack: nested models each push their own)
 
@@ -150,7 +153,12 @@ class CompiledStep:
                            return_dict=True, **fixed)
 
         self.options = cpp_wrapper_options() if self.wrapper == "cpp" else None  # inductor's, as compiled
-        self._fn = torch.compile(step, backend=backend, fullgraph=True, dynamic=False, options=self.options)
+        self._fn = Compiled(step, "the compiled decode step", backend=backend, dynamic=False, options=self.options)
+
+    @property
+    def copies(self) -> int:
+        """Fresh copies of the step compiled at dynamo's recompile limit (quest_hf/recompile.py)."""
+        return self._fn.copies
 
     def step(self, cache, cache_arg: str, input_ids, position_ids, attention_mask, fixed: dict):
         """Run one decode token over `cache`; returns the model output with the cache under `cache_arg`, or None when
@@ -176,7 +184,7 @@ class CompiledStep:
         try:
             out = self._fn(input_ids, position_ids, **fixed)
         except Exception as e:  # noqa: BLE001 - any compile error: the caller says what runs instead
-            if self.calls or lengths != [layer.seq_len for layer in cache.layers]:
+            if (self.calls and not limit_hit(e)) or lengths != [layer.seq_len for layer in cache.layers]:
                 raise  # it ran before, or this step appended already: the error is the step's, not the compiler's
             msg = f"{type(e).__name__}: {e}"
             self.failed = msg if len(msg) < 3000 else f"{msg[:1500]} [...] {msg[-1500:]}"  # the tail names the line

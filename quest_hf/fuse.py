@@ -7,7 +7,9 @@ and the modeling file's `apply_rotary_pos_emb` (the attention modules call it by
 so it is replaced in that module while a model patched with this option exists, and put back after the last
 one is unpatched) — and only for one-token inputs on `QuestConfig._compile_devices` (CUDA), so prefill, CPU runs
 and the attention stay eager, and the compiled kernels are captured into the decode graph like any other. One
-compiled function per module class and backend serves every layer (modules are graph inputs, not constants).
+compiled function per module class and backend serves every layer (modules are graph inputs, not constants), and
+every patched model: past dynamo's recompile limit of shapes, fresh copies of it take the new ones
+(quest_hf/recompile.py).
 
 With `QuestConfig.fuse_residual`, a decoder layer whose forward is the plain pre-norm one (`standard_layer`) gets a
 decode forward of the same steps in which each residual add runs inside the compiled kernel of the norm that reads
@@ -34,6 +36,7 @@ from transformers.utils import logging
 
 from .binding import MISSING, Bindings, Method, shared_kind
 from .families import _decoder_layers
+from .recompile import Compiled
 
 logger = logging.get_logger("quest_hf")
 
@@ -121,8 +124,9 @@ def _run_compiled(compiled: DecodeCompile, key: str, fn, eager, *args, **kwargs)
                 options = dict(_OPTIONS.get(fn, {})) if compiled.backend == "inductor" else None
                 if pdl:
                     options["triton.enable_pdl"] = True
-                fast = _compiled[(fn, compiled.backend, pdl)] = torch.compile(fn, backend=compiled.backend,
-                                                                               dynamic=False, options=options)
+                fast = _compiled[(fn, compiled.backend, pdl)] = Compiled(
+                    fn, f"torch.compile of {key}", fullgraph="prefer", backend=compiled.backend, dynamic=False,
+                    options=options)
             compiled.pdl |= pdl
             return fast(*args, **kwargs), True
         except Exception as e:  # noqa: BLE001 - any compile error: fall back, loudly

@@ -251,6 +251,10 @@ def _decode_path(model, state: _PatchState, cache: QuestCache) -> str:
                 f"that is the CUDA default and runs each step faster; inductor's cache serves a later process); "
                 f"compile_step=False runs the steps eagerly instead")
         else:
+            step = state.compiled_step
+            if step is not None and step.failed is not None and cache.quest_config.compiles_step(
+                    next(model.parameters()).device.type):
+                why = f"{why}; compiling the step failed before: {step.failed[:300]}"
             cache.decode_path = f"eager: {why}"
             on_gpu = why != "cuda_graph=False" and next(model.parameters()).is_cuda
             (logger.warning_once if on_gpu else logger.info_once)(f"quest-hf: decode steps run uncaptured: {why}")
