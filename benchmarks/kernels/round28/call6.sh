@@ -1,10 +1,10 @@
 #!/bin/bash
-# Round 28, device call 6: the 8-bit codes' tensor-core score form ("mma8": q x channel scales in three bf16 parts, six
+# Round 28, device call 6 (on the tree with score_mma8.patch applied: git apply benchmarks/kernels/round28/score_mma8.patch): the 8-bit codes' tensor-core score form ("mma8": q x channel scales in three bf16 parts, six
 # products a KV group). Its GPU tests first, then the kernel table with the form (auto, the default for GQA) and
 # without it (off), each in its own process, then generate() at Llama-3-8B/128K with key-dtype and int8_channel bounds.
 export PYTHONPATH=. ; O=${OUT:-results/round28}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $O/call6_gpu.txt
-timeout 100 python -m pytest -q -m gpu tests/gpu/test_gpu_score_mma.py tests/gpu/test_gpu_bounds_reuse.py 2>&1 \
+timeout 110 python -m pytest -q -m gpu tests/gpu/test_gpu_score_mma.py tests/gpu/test_gpu_bounds_reuse.py -k "mma8 or default_form or bounds or reuse" 2>&1 \
   | tee $O/call6_pytest.log | tail -1 | sed "s/^/pytest: /" | tee -a $O/call6_gpu.txt
 for m in auto off; do
   timeout 100 python scripts/bench_kernels.py --quick --batches 1 8 --lengths 32768 131072 --bounds key_dtype int8_channel \
