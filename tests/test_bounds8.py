@@ -244,9 +244,10 @@ SCORE_CASES = [
 
 
 @triton_ok
+@pytest.mark.parametrize("mma", [None, False, True])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("B,H,G,D,S,L,reduce,pad,beams", SCORE_CASES)
-def test_int8_score_kernel_matches_its_twin(B, H, G, D, S, L, reduce, pad, beams, kind, monkeypatch):
+def test_int8_score_kernel_matches_its_twin(B, H, G, D, S, L, reduce, pad, beams, kind, mma, monkeypatch):
     C = -(-L // S) * S + S
     _, _, kmin, kmax, _ = stored_layer(B, H, D, S, L, C, F16, L, pad)
     chan = chan_for(kind, H, D, L)
@@ -256,8 +257,11 @@ def test_int8_score_kernel_matches_its_twin(B, H, G, D, S, L, reduce, pad, beams
     rows = torch.randint(0, B, (B, C // S), dtype=torch.int32, device=DEV) if beams else None
     kw = dict(pos=pos, rows=rows, scale=scale, chan=chan)
     want = tk.score_pages_ref(q, lo8, hi8, C, S, 0, reduce, **kw)
+    launch = tk.score.ScoreLaunch(mma=mma)
+    # The codes' tensor-core form (two products over bf16 parts of q x channel scales, stacked as rows): GQA by default.
+    assert tk.score_form(q, lo8, scale, launch) == ("mma8" if mma or (mma is None and G > 1) else "elementwise")
     monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
-    got = tk.score_pages(q, lo8, hi8, C, S, 0, reduce, **kw)
+    got = tk.score_pages(q, lo8, hi8, C, S, 0, reduce, launch=launch, **kw)
     assert not got.isnan().any()
     fin = want.isfinite()
     assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin])

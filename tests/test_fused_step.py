@@ -31,7 +31,8 @@ CASES = [
 ]
 
 
-# The scoring launch in the tensor-core form (`StepLaunch.score_mma`; fp16 key-dtype bounds take it, the others not).
+# The scoring launch in the tensor-core forms (`StepLaunch.score_mma`): "mma" on float bounds in q's 16-bit dtype,
+# "mma8" on 8-bit codes (the int8 cases here), the elementwise form otherwise.
 THREE_MMA = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, score_mma=True)
 
 

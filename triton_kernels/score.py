@@ -144,7 +144,9 @@ class ScoreLaunch:
 
     mma: the tensor-core form (`score_form`): None takes it for GQA groups only, True wherever the dtypes allow,
     False never. On an H100 (benchmarks/kernels/round27) it made Llama-3-8B union layer steps 3-9% faster (batch 8
-    128K 244.1 -> 223.0 us) and MHA ones 3-9% slower (one query row padded to 16, the dot's layout conversion)."""
+    128K 244.1 -> 223.0 us) and MHA ones 3-9% slower (one query row padded to 16, the dot's layout conversion).
+    8-bit codes take their own tensor-core form ("mma8") under the same rule: H100, int8_channel Llama-3-8B union
+    chained steps 2-9% faster (batch 8 128K 216.8 -> 197.6 us), the shared mode within noise (benchmarks/kernels/round29)."""
 
     block_p: int = 32
     num_warps: int = 4
@@ -157,25 +159,44 @@ _MMA_DTYPES = (torch.float16, torch.bfloat16)
 
 def score_form(q, kmin, scale=None, launch: ScoreLaunch = SCORE_LAUNCH) -> str:
     """How `score_pages` computes a block's scores for these inputs: "mma" (two tensor-core products a KV group,
-    `max(q, 0) @ hi^T + min(q, 0) @ lo^T`) or "elementwise" (each query head's `max(q * lo, q * hi)` summed over
-    channels). "mma" needs float bounds in q's own 16-bit dtype (the halves of q stay exact in it); `launch.mma`
-    True takes it wherever it can, False never, None (default) where a KV group has two or more query heads."""
-    ok = kmin.dtype == q.dtype and q.dtype in _MMA_DTYPES and scale is None and launch.block_p >= 16
+    `max(q, 0) @ hi^T + min(q, 0) @ lo^T`), "mma8" (the same over 8-bit codes: `q' = q x channel scales` in fp32,
+    split into three bf16 parts stacked as rows, two products, times the page's scale) or "elementwise" (each query head's
+    `max(q * lo, q * hi)` summed over channels). "mma" needs float bounds in q's own 16-bit dtype (the halves of q
+    stay exact in it), "mma8" int8 codes with their scale; `launch.mma` True takes either wherever it can, False
+    never, None (default) where a KV group has two or more query heads."""
     G = q.shape[1] // kmin.shape[1]
-    want = launch.mma if launch.mma is not None else G >= 2
+    want = (launch.mma if launch.mma is not None else G >= 2) and launch.block_p >= 16
+    if want and kmin.dtype == torch.int8 and scale is not None and q.dtype in (*_MMA_DTYPES, torch.float32):
+        return "mma8"
+    ok = kmin.dtype == q.dtype and q.dtype in _MMA_DTYPES and scale is None
     return "mma" if ok and want else "elementwise"
 
 
 def mma_meta(q, kmin, scale, launch) -> dict:
     """`_score_block`'s MMA constexprs for a launch: MMA 0 elementwise, 1 tensor-core products, 2 the same in fp32
-    operands (bf16 under Triton's interpreter, which holds bf16 as raw bits); G_MMA the group's rows padded."""
-    mma = 0
-    if score_form(q, kmin, scale, launch) == "mma":
+    operands (bf16 under Triton's interpreter, which holds bf16 as raw bits), 3 8-bit codes' products over bf16 parts
+    of q', 4 the same with one fp32 part (the interpreter); G_MMA the group's rows padded."""
+    form, mma = score_form(q, kmin, scale, launch), 0
+    if form == "mma":
         mma = 2 if interpreting() and q.dtype == torch.bfloat16 else 1
+    elif form == "mma8":  # rows: 3 parts (padded to 4) x the group's heads (padded)
+        mma = 4 if interpreting() else 3
+        return dict(MMA=mma, G_MMA=max(16, 4 * next_pow2(q.shape[1] // kmin.shape[1])))
     return dict(MMA=mma, G_MMA=max(16, next_pow2(q.shape[1] // kmin.shape[1])))
 
 
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
+
+
+@triton.jit
+def _part_of(x, part, part_ty: tl.constexpr):
+    """Part `part` (0, 1, 2: a row's) of fp32 `x` split into three `part_ty` values whose sum is x (bf16: 8 bits a
+    part); fp32 parts: x, 0, 0."""
+    p0 = x.to(part_ty)
+    r1 = x - p0.to(tl.float32)
+    p1 = r1.to(part_ty)
+    p2 = (r1 - p1.to(tl.float32)).to(part_ty)
+    return tl.where(part == 0, p0, tl.where(part == 1, p1, p2))
 
 
 @triton.jit
@@ -210,7 +231,34 @@ def _score_block(
     b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0)
     m_dead = (b_lo0.to(tl.float32) > b_hi0.to(tl.float32)) | (o_p < P_DEAD)
     m_cur = (o_p == P - 1) | (o_p == CUR)
-    if MMA:
+    if MMA >= 3:
+        # 8-bit codes: sum_d max(q_d * c_d * s_d, ...) = (q+ * s) @ hi8^T + (q- * s) @ lo8^T, with s_d the channel
+        # scale (1 without) and the page's scale factored out of the sum. q' = q * s in fp32 is split into three bf16
+        # parts (8 bits each: 24, all of fp32's) and each part x code (integers |c| <= 128) is exact in the fp32
+        # accumulator, so this differs from the elementwise form by the sums' rounding only. The parts ride as rows of
+        # one operand (row = part x G_PAD + head; parts padded to 4), so two products serve all three, summed after.
+        G_PAD: tl.constexpr = G_MMA // 4
+        o_r = tl.arange(0, G_MMA)
+        r_part = (o_r // G_PAD)[:, None]
+        r_g = o_r % G_PAD
+        m_r = (r_g < G) & (o_r < 3 * G_PAD)
+        b_x = tl.load(q_ptr + i_b * stride_qb + (i_h * G + r_g)[:, None] * stride_qh + o_d[None, :] * stride_qd,
+                      mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        if USE_CHAN:
+            b_cs = tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
+            b_x = b_x * b_cs[None, :]
+        part_ty: tl.constexpr = tl.bfloat16 if MMA == 3 else tl.float32
+        b_lo = tl.load(p_lo, mask=m_pd, other=0).to(tl.float32).to(part_ty)
+        b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32).to(part_ty)
+        b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
+        b_ap = _part_of(tl.maximum(b_x, 0.0), r_part, part_ty)
+        b_an = _part_of(tl.minimum(b_x, 0.0), r_part, part_ty)
+        b_sr = tl.dot(b_ap, tl.trans(b_hi), out_dtype=tl.float32, input_precision="ieee")
+        b_sr = tl.dot(b_an, tl.trans(b_lo), acc=b_sr, input_precision="ieee")  # [G_MMA, BLOCK_P]: part x head rows
+        b_sg = tl.sum(tl.reshape(b_sr, [4, G_PAD, BLOCK_P]), axis=0) * b_sc[None, :]  # [G_PAD, BLOCK_P]
+        o_g = tl.arange(0, G_PAD)
+        m_g = o_g < G
+    elif MMA:
         o_g = tl.arange(0, G_MMA)
         m_g = o_g < G
         b_lo = tl.load(p_lo, mask=m_pd, other=0)
@@ -225,6 +273,7 @@ def _score_block(
         b_qn = tl.where(m_qp, b_zero, b_qg)
         b_sg = tl.dot(b_qp, tl.trans(b_hi), out_dtype=tl.float32)
         b_sg = tl.dot(b_qn, tl.trans(b_lo), acc=b_sg)  # [G_MMA, BLOCK_P]
+    if MMA:
         # Empty pages hold +-inf bounds, so their sum may be NaN (0 * inf): overwritten here.
         b_sg = tl.where(m_dead[None, :], float("-inf"), b_sg)
         b_sg = tl.where(m_cur[None, :], float("inf"), b_sg)

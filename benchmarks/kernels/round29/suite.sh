@@ -1,0 +1,15 @@
+#!/bin/bash
+# Round 29: the GPU-marked suite on the library code with the 8-bit codes' tensor-core score ("mma8") in it, in two
+# device calls (each under the 600 s a call may run): PART=a the files that run the score kernel's forms and the
+# captured step (score_mma, pdl, recompile, compiled_step), PART=b every other file.
+export PYTHONPATH=. ; O=${OUT:-results/round29}; mkdir -p $O
+P=${PART:-a}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $O/suite_${P}_gpu.txt
+A="tests/gpu/test_gpu_score_mma.py tests/gpu/test_gpu_pdl.py tests/gpu/test_gpu_recompile.py tests/gpu/test_gpu_compiled_step.py"
+if [ "$P" = a ]; then
+  timeout 560 python -m pytest -q -m gpu $A -p no:cacheprovider > $O/suite_a_pytest.log 2>&1
+else
+  timeout 560 python -m pytest -q -m gpu tests/gpu $(for f in $A; do echo --ignore=$f; done) -p no:cacheprovider \
+    > $O/suite_b_pytest.log 2>&1
+fi
+tail -3 $O/suite_${P}_pytest.log | tee -a $O/suite_${P}_gpu.txt
