@@ -218,7 +218,9 @@ def _score_block(
     MMA 1 (float bounds in q's 16-bit dtype, see `score_form`; 2: the same under the interpreter with bf16): the
     group's scores as two tensor-core products, `max(q * lo, q * hi) = max(q, 0) * hi + min(q, 0) * lo` per channel,
     so `s = q+ @ hi^T + q- @ lo^T` with q's G rows padded to G_MMA: the halves of q are exact in its dtype and each
-    product exact in the fp32 accumulator, so only the sum's rounding differs from the elementwise form."""
+    product exact in the fp32 accumulator, so only the sum's rounding differs from the elementwise form. MMA 3 (8-bit
+    codes, "mma8"; 4: the same with fp32 parts under the interpreter): the same two products over the codes, q times
+    the channel scales split into exact parts stacked as rows (see the branch)."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
