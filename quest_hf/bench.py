@@ -19,6 +19,8 @@ import datetime
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -266,6 +268,58 @@ def environment(device):
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), python=platform.python_version(),
                 torch=torch.__version__, transformers=transformers.__version__, machine=machine,
                 device=str(device), command=_env_prefix() + "python " + " ".join(sys.argv))
+
+
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu")
+GPU_REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer name first
+
+
+def gpu_state(device) -> dict | None:
+    """The GPU's clocks, power and temperature now, from `nvidia-smi` (None: not a CUDA device, or no nvidia-smi), so
+    that two runs of one command on different machines can be told apart by their clocks. Keys are nvidia-smi's
+    field names; a field it cannot report reads as it prints it ("[N/A]"); a failed query gives {"error": ...}.
+    `clocks_reasons` is the active clock-limiting reasons bitmask where the driver reports one."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    target = (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}") if uuid else str(index)
+
+    def query(fields):
+        r = subprocess.run(["nvidia-smi", "-i", target, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        values = [v.strip() for v in r.stdout.strip().split(",")]
+        if r.returncode != 0 or len(values) != len(fields):
+            raise RuntimeError((r.stderr or r.stdout).strip()[:200] or f"nvidia-smi exited {r.returncode}")
+        return dict(zip(fields, values))
+
+    try:
+        state = query(GPU_STATE_FIELDS)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    for field in GPU_REASON_FIELDS:
+        try:
+            state["clocks_reasons"] = query((field,))[field]
+            break
+        except (OSError, subprocess.SubprocessError, RuntimeError):
+            continue
+    return state
+
+
+def gpu_state_line(state: dict | None) -> str:
+    """`gpu_state` in a few words: "SM 1980/1980 MHz, mem 3201 MHz, 412 W of 700 W, 51 C, reasons 0x...";
+    "" for None."""
+    if not state:
+        return ""
+    if "error" in state:
+        return f"nvidia-smi: {state['error']}"
+    g = state.get
+    words = [f"SM {g('clocks.sm')}/{g('clocks.max.sm')}", f"mem {g('clocks.mem')}",
+             f"{g('power.draw')} of {g('power.limit')}", f"{g('temperature.gpu')} C"]
+    if "clocks_reasons" in state:
+        words.append(f"reasons {state['clocks_reasons']}")
+    return ", ".join(words)
 
 
 def _env_prefix() -> str:

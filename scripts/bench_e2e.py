@@ -39,6 +39,10 @@ The greedy tokens of the captured paths are compared with those of quest (same b
 On CUDA each row also gives its byte floor: the least bytes its decode step reads (`quest_hf.bench.decode_floor_bytes`:
 the weights once, plus the K/V the path attends: all of it for HF, dense layers + page metadata + `budget` tokens per
 KV head for Quest) at the copy bandwidth measured at the start of the run (`copy_gb_s`), and the step's fraction of it.
+Where `nvidia-smi` answers, each row also keeps the GPU's SM / memory clocks, power draw and limit, temperature and
+active clock-limiting reasons just before and just after its `generate()` (`gpu_before` / `gpu_after`,
+`quest_hf.bench.gpu_state`; listed under the table), so that a row that differs between two machines shows whether
+their clocks did.
 
     python scripts/bench_e2e.py --shapes llama2-7b --lengths 8192 32768 --budgets 2048
     python scripts/bench_e2e.py --shapes tiny --lengths 512 --new-tokens 8 --device cpu   # smoke
@@ -69,6 +73,8 @@ from quest_hf.bench import (
     Clock,
     copy_bandwidth,
     decode_floor_bytes,
+    gpu_state,
+    gpu_state_line,
     results_dir,
     set_gemv_launch,
     set_topk_launch,
@@ -249,6 +255,7 @@ def main(argv=None):
                                     fuse_residual="nores" not in flags)
                     deferred = device.type == "cuda" and (
                         method == "static_defer" or (method.startswith("quest") and method != "quest_graph_c_sync"))
+                    before = gpu_state(device)
                     try:
                         with hf_deferred_stop(method == "static_defer"):
                             how = measure if args.beams == 1 else measure_whole
@@ -259,6 +266,7 @@ def main(argv=None):
                         prefill = step = mean = peak = float("nan")
                         first = []
                         out, err = None, f"{type(e).__name__}: {e}"[:300]
+                    after = gpu_state(device)  # right after the timed steps: the clocks they ran at, or close
                     tokens[(full, budget)] = out
                     same = None
                     replay = replay_ms(model, ids, args.new_tokens, device) if (
@@ -295,7 +303,7 @@ def main(argv=None):
                                tokens_per_s=B / step if step == step else float("nan"),
                                peak_gib=peak / 2**30, same_as_quest=same, first_diff=first_diff,
                                same_as_unfused=same_unfused, first_diff_unfused=first_diff_unfused,
-                               graph_replay_ms=replay, error=err,
+                               graph_replay_ms=replay, error=err, gpu_before=before, gpu_after=after,
                                # the greedy tokens' digest: compares runs of separate processes
                                tokens_sha1=None if out is None else hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest())
                     if method in ("quest_graph_c", "quest_graph_c_sync"):  # proof that the compiled modules ran, and how often dynamo compiled
@@ -370,6 +378,11 @@ def write(args, rows) -> str:
                      + (f"{r['floor_ms']:.2f} | {r['floor_ms'] / r['step_ms']:.0%} |" if r.get("floor_ms") else " | |")
                      + (f" {r['error']}" if r["error"] else "")
                      + ("" if r.get("same_as_unfused") is None else f" tokens = unfused: {r['same_as_unfused']}"))
+    states = [f"- {r['method']}{'' if r['budget'] is None else ' ' + str(r['budget'])}: before "
+              f"{gpu_state_line(r.get('gpu_before')) or '-'}; after {gpu_state_line(r.get('gpu_after')) or '-'}"
+              for r in rows if r.get("gpu_before") or r.get("gpu_after")]
+    if states:  # nvidia-smi's clocks and power around each row: machines that differ show it here
+        lines += ["", "GPU state around each row (nvidia-smi):", *states]
     md = "\n".join(lines)
     meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -9,5 +9,6 @@ A="--shapes llama2-7b --lengths 32768 --new-tokens 48 --budgets 2048"
 timeout 150 python scripts/bench_e2e.py $A --methods static --out $O/static_alone.json > $O/static_alone.log 2>&1
 timeout 150 python scripts/bench_e2e.py $A --methods quest_graph_c --out $O/static_quest_alone.json > $O/static_quest.log 2>&1
 timeout 200 python scripts/bench_e2e.py $A --methods static quest_graph_c --out $O/static_first.json > $O/static_first.log 2>&1
-grep -hE '^\| llama' $O/static_alone.md $O/static_quest_alone.md $O/static_first.md | tee -a $O/static_gpu.txt
+for f in static_alone static_quest_alone static_first; do  # the rows, and nvidia-smi's clocks around each (bench_e2e)
+  grep -hE '^\| llama|^- (static|quest)' $O/$f.md | tee -a $O/static_gpu.txt; done
 rm -f $O/*.json
