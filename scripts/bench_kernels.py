@@ -43,6 +43,7 @@ import triton_kernels as tk
 from quest_hf.bench import (
     LAYER_SHAPES,
     copy_bandwidth,
+    gpu_state,
     kernel_durations,
     results_dir,
     rotating,
@@ -509,6 +510,7 @@ def main(argv=None):
         meta["check_s"] = time.time() - t0
     bw = copy_bandwidth(DEV)
     meta["copy_bandwidth_GBps"] = bw / 1e9
+    meta["gpu_state_start"] = gpu_state(DEV)  # nvidia-smi's clocks / power, here and at the end
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     meta["tune"] = tune(bw) if args.tune else None
     rows, sdpa_cache = [], {}
@@ -525,6 +527,7 @@ def main(argv=None):
             rows += run_config(shape, L, B, bud, dt, ("union", "max"), bw, sdpa_cache, variants)
             write(out_dir, args.name, meta, rows)
     meta["wall_s"] = time.time() - t0
+    meta["gpu_state_end"] = gpu_state(DEV)
     write(out_dir, args.name, meta, rows)
     print(f"done in {meta['wall_s']:.0f} s", flush=True)
 
