@@ -270,6 +270,52 @@ def environment(device):
                 device=str(device), command=_env_prefix() + "python " + " ".join(sys.argv))
 
 
+def sm90_report(kernel, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+    """Compile a Triton kernel for sm_90 without a GPU (Triton's bundled ptxas and cuobjdump) and report what it
+    became: `registers`, `spilled` (bytes of spill stores), `shared` (bytes), `sass` [(address, instruction text)]
+    and `ops` {opcode: count} (predicates and modifiers stripped). Offline figures of the local triton, which may be
+    newer than a device's (benchmarks/kernels/round28/score_regs.py, round30/topk_sass.py)."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 `triton.jit` made an interpreted function
+        kernel = JITFunction(kernel.fn)
+    binaries = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    sig = dict(signature) | {c: "constexpr" for c in constexprs}
+    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        log = subprocess.run([f"{binaries}/ptxas", "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+        dump = subprocess.run([f"{binaries}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    sass = [(int(m.group(1), 16), m.group(2).strip())
+            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", dump)]
+    ops = {}
+    for _, text in sass:
+        words = text.split()
+        op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores", log)
+    return dict(registers=int(regs[0]) if regs else None, spilled=int(spill[0]) if spill else None,
+                shared=k.metadata.shared, sass=sass, ops=ops)
+
+
+def top_ops(ops: dict, n: int = 10) -> str:
+    """`sm90_report`'s opcode counts, the n commonest: "IMAD 207, PRMT 166, ..."."""
+    return ", ".join(f"{op} {c}" for op, c in sorted(ops.items(), key=lambda x: -x[1])[:n])
+
+
 GPU_STATE_FIELDS = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu")
 GPU_REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")  # newer name first
 

@@ -7,18 +7,11 @@ patches applied (`score_mma8.patch`, `score_mma8_rows.patch`). The figures come 
 a newer version than the device's.
 """
 import inspect
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from quest_hf.bench import sm90_report, top_ops
 from triton_kernels.score import _score_pages_kernel
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def signature(bounds_ty: str) -> dict:
@@ -32,27 +25,9 @@ def build(name: str, bounds_ty: str, mma: int, codes: bool, G: int = 4, block_p:
     g_mma = max(16, 4 * triton.next_power_of_2(G)) if mma >= 3 else max(16, triton.next_power_of_2(G))
     consts = dict(G=G, D=128, BLOCK_D=128, BLOCK_P=block_p, REDUCE=0, HAS_POS=True, HAS_ROWS=False,
                   USE_SCALE=codes, HAS_DUE=False, USE_CHAN=codes, MMA=mma, G_MMA=g_mma)
-    sig = signature(bounds_ty) | {c: "constexpr" for c in consts}
-    k = triton.compile(ASTSource(fn=_score_pages_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        open(ptx, "w").write(k.asm["ptx"])
-        open(cubin, "wb").write(k.asm["cubin"])
-        log = subprocess.run([f"{BIN}/ptxas", "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-    regs = re.findall(r"Used (\d+) registers", log)
-    spill = re.findall(r"(\d+) bytes spill stores", log)
-    ops = {}
-    for line in sass.splitlines():
-        if re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
-            words = line.split("*/")[1].strip().split()
-            op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
-            ops[op] = ops.get(op, 0) + 1
-    top = ", ".join(f"{op} {n}" for op, n in sorted(ops.items(), key=lambda x: -x[1])[:10])
-    print(f"{name}: {regs[0] if regs else '?'} registers, {spill[0] if spill else '?'} bytes spilled, "
-          f"{k.metadata.shared} B shared, {sum(ops.values())} SASS instructions ({top})", flush=True)
+    r = sm90_report(_score_pages_kernel, signature(bounds_ty), consts, warps)
+    print(f"{name}: {r['registers'] or '?'} registers, {r['spilled'] if r['spilled'] is not None else '?'} bytes "
+          f"spilled, {r['shared']} B shared, {len(r['sass'])} SASS instructions ({top_ops(r['ops'])})", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,13 @@ Triton's bundled ptxas and cuobjdump do the work, so this runs on a CPU-only mac
 which may be a newer version than the device's.
 """
 import inspect
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from quest_hf.bench import sm90_report, top_ops
 from triton_kernels.topk import _topk_pages_kernel
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def main(warps: int = 4):
@@ -26,20 +20,10 @@ def main(warps: int = 4):
     sig.update(s_ptr="*fp32", out_ptr="*i32", due_ptr="*i32")
     consts = dict(GROUP=1, GROUP_PAD=1, BLOCK_P=2048, SINGLE_TILE=True, MASK_REST=False, RANK_BITS=16, HAS_DUE=False,
                   TAIL=16, LEAN=True, ONE_REDUCE=True)
-    sig |= {c: "constexpr" for c in consts}
-    k = triton.compile(ASTSource(fn=_topk_pages_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        open(ptx, "w").write(k.asm["ptx"])
-        open(cubin, "wb").write(k.asm["cubin"])
-        log = subprocess.run([f"{BIN}/ptxas", "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
-        sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
-    regs = re.findall(r"Used (\d+) registers", log)
+    r = sm90_report(_topk_pages_kernel, sig, consts, warps)
+    ins = r["sass"]
     print(f"triton {triton.__version__}, sm_90, lean Top-K, 2053 pages (2048 + 16-key tail), {warps} warps: "
-          f"{regs[0] if regs else '?'} registers, {len(ins)} static instructions")
+          f"{r['registers'] or '?'} registers, {len(ins)} static instructions")
     # The first backward branch closes the rank search's radix loop.
     for addr, text in ins:
         m = re.search(r"BRA (?:P\d, )?0x([0-9a-f]+)", text)
@@ -51,8 +35,7 @@ def main(warps: int = 4):
                 w = t.split()
                 op = (w[1] if w[0].startswith("@") else w[0]).split(".")[0]
                 ops[op] = ops.get(op, 0) + 1
-            top = ", ".join(f"{o} {n}" for o, n in sorted(ops.items(), key=lambda x: -x[1])[:8])
-            print(f"radix pass (0x{start:x}-0x{addr:x}): {len(body)} instructions ({top})")
+            print(f"radix pass (0x{start:x}-0x{addr:x}): {len(body)} instructions ({top_ops(ops, 8)})")
             break
 
 
