@@ -73,6 +73,7 @@ from quest_hf.bench import (
     Clock,
     copy_bandwidth,
     decode_floor_bytes,
+    environment,
     gpu_state,
     gpu_state_line,
     results_dir,
@@ -386,6 +387,7 @@ def write(args, rows) -> str:
     md = "\n".join(lines)
     meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                machine=environment(device)["machine"],  # the host CPU too: HF's host-synced steps depend on it
                 torch=torch.__version__, transformers=transformers.__version__, dtype=args.dtype,
                 new_tokens=args.new_tokens, topk_launch=" ".join(args.topk_launch) or "default",
                 gemv_launch=" ".join(args.gemv_launch) or "default",
