@@ -11,7 +11,8 @@ timestamps, as `scripts/bench_e2e.py`), then a profiled call (CUDA activity only
 per token. The difference is the time per token the GPU ran no kernel. The host CPU and nvidia-smi's clocks are
 printed with it.
 
-    PYTHONPATH=. python benchmarks/e2e/hf_host_probe.py --shape llama2-7b --length 32768 --methods static quest_graph_c
+    PYTHONPATH=. python benchmarks/probes/hf_host_probe.py --shape llama2-7b --length 32768 \
+        --methods static quest_graph_c
 """
 import argparse
 import json
