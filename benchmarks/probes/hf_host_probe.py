@@ -39,8 +39,10 @@ def gpu_kernel_ms(model, ids, new_tokens, kw):
                        min_new_tokens=new_tokens, do_sample=False, **kw)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    per = {e.key: e.device_time_total * 1e-3 for e in prof.key_averages()
-           if e.device_type == torch.autograd.DeviceType.CUDA and e.count}
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    if not events:  # e.g. a profiler that does not see kernels replayed inside CUDA graphs: no figure, not a zero
+        raise RuntimeError("the profiler recorded no CUDA kernels for this generate() call")
+    per = {e.key: e.device_time_total * 1e-3 for e in events}
     top = sorted(per.items(), key=lambda kv: -kv[1])[:6]
     return sum(per.values()), wall * 1e3, top
 
