@@ -30,21 +30,25 @@ from quest_hf.bench import environment, gpu_state, gpu_state_line, random_llama 
 
 
 def gpu_kernel_ms(model, ids, new_tokens, kw):
-    """Summed device time of every kernel (and memcpy/memset) of one generate() call, ms, and the top kernels."""
-    acts = [torch.profiler.ProfilerActivity.CUDA]
-    torch.cuda.synchronize()
+    """Summed device time of every kernel (and memcpy/memset) of one generate() call, ms, the top kernels and how
+    many were recorded. On a CPU (a smoke test of this script) the ops' own CPU time stands in for kernels."""
+    cuda = ids.device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, **kw)
-        torch.cuda.synchronize()
+        sync()
     wall = time.perf_counter() - t0
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    events = [e for e in prof.key_averages() if e.device_type == kind and e.count]
     if not events:  # e.g. a profiler that does not see kernels replayed inside CUDA graphs: no figure, not a zero
-        raise RuntimeError("the profiler recorded no CUDA kernels for this generate() call")
-    per = {e.key: e.device_time_total * 1e-3 for e in events}
+        raise RuntimeError("the profiler recorded no kernels for this generate() call")
+    per = {e.key: (e.device_time_total if cuda else e.self_cpu_time_total) * 1e-3 for e in events}
     top = sorted(per.items(), key=lambda kv: -kv[1])[:6]
-    return sum(per.values()), wall * 1e3, top
+    return sum(per.values()), wall * 1e3, top, sum(e.count for e in events)
 
 
 def main(argv=None):
@@ -54,9 +58,10 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--methods", nargs="+", default=["static", "static_defer", "quest_graph_c"],
                    choices=["static", "static_defer", "quest_graph_c"])
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script")
     p.add_argument("--out", default=None, help="a JSON file for the rows (default: print only)")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     env = environment(device)
     print(json.dumps(env), flush=True)
     print(f"host CPU: {env.get('machine')}; GPU: {gpu_state_line(gpu_state(device))}", flush=True)
@@ -75,17 +80,21 @@ def main(argv=None):
         with be.hf_deferred_stop(method == "static_defer"):
             _, median, mean, first, _, _ = be.measure(model, ids, args.new_tokens, device, deferred=deferred, **kw)
             # the profiled call: prefill + new_tokens steps; the prefill's kernels are counted apart by a 1-token call
-            k_full, wall_full, top = gpu_kernel_ms(model, ids, args.new_tokens, kw)
-            k_one, wall_one, _ = gpu_kernel_ms(model, ids, 1, kw)
+            k_full, wall_full, top, n_full = gpu_kernel_ms(model, ids, args.new_tokens, kw)
+            k_one, wall_one, _, n_one = gpu_kernel_ms(model, ids, 1, kw)
         n = args.new_tokens - 1
         k_tok, wall_tok = (k_full - k_one) / n, (wall_full - wall_one) / n
         row = dict(method=method, ms_per_token=median * 1e3, mean_ms=mean * 1e3,
                    first_steps_ms=[round(t * 1e3, 2) for t in first], profiled_wall_ms_per_token=wall_tok,
                    kernel_ms_per_token=k_tok, gpu_idle_ms_per_token=median * 1e3 - k_tok,
+                   # kernels recorded a token: a count far below the model's launches a step means the profiler
+                   # missed some (those replayed inside CUDA graphs), and the kernel time is then too low
+                   kernels_per_token=(n_full - n_one) / n,
                    top_kernels_ms_per_call=[(name[:60], round(ms, 2)) for name, ms in top],
                    gpu_after=gpu_state(device))
         rows.append(row)
-        print(f"{method}: {median * 1e3:.2f} ms/token (mean {mean * 1e3:.2f}); kernels {k_tok:.2f} ms/token, so the "
+        print(f"{method}: {median * 1e3:.2f} ms/token (mean {mean * 1e3:.2f}); kernels {k_tok:.2f} ms/token "
+              f"({row['kernels_per_token']:.0f} a token), so the "
               f"GPU ran no kernel {median * 1e3 - k_tok:.2f} ms/token; profiled call {wall_tok:.2f} ms/token; "
               f"top kernels of the profiled call (ms): {row['top_kernels_ms_per_call']}", flush=True)
         print(f"  GPU after: {gpu_state_line(row['gpu_after'])}", flush=True)
