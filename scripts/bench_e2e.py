@@ -28,11 +28,11 @@ from whole calls, (t(new tokens) - t(1 token)) / (new tokens - 1)).
 Every quest method runs with QuestConfig's defaults otherwise: on CUDA the stop check is deferred.
 A quest method may name another policy, page size and bounds: `quest_graph_c:qcode1_2s/32`, `quest_graph_c:quest/16/int8`;
 a 4th field `fused` adds fuse_projections=True (`quest_graph_c:quest/16/key_dtype/fused`), `sep` sets fused_step=False
-(the separate score / Top-K / attention kernels), `unfused` sets fuse_projections=False
-(the default "auto" fuses where the decode GEMV is bound), `cublas` sets decode_gemv=False (cuBLAS's GEMVs), `nores`
-sets fuse_residual=False (HF's decoder-layer forward: its residual adds as kernels of their own), joined
-by '+' (`.../fused+cublas`); the row's same_as_unfused compares its tokens with the same method's run without that field,
-when that ran first.
+(the separate score / Top-K / attention kernels), `step` fused_step=True (the three-launch step wherever it can
+run), `unfused` sets fuse_projections=False (the default "auto" fuses where the decode GEMV is bound), `cublas`
+sets decode_gemv=False (cuBLAS's GEMVs), `nores` sets fuse_residual=False (HF's decoder-layer forward: its residual
+adds as kernels of their own), joined by '+' (`.../fused+cublas`); the row's same_as_unfused compares its tokens
+with the same method's run without that field, when that ran first.
 `--calibrated FILE` adds one captured row (the defaults otherwise) per config of a `scripts/calibrate.py` result:
 per-layer budgets and dense layers as calibrated, named `calibrated:<file stem>=<budget>`.
 The greedy tokens of the captured paths are compared with those of quest (same budget, same policy): `same_as_quest`.
@@ -226,9 +226,9 @@ def main(argv=None):
                     page, _, bounds = page.partition("/")
                     bounds, _, extra = bounds.partition("/")
                     flags = set(extra.split("+")) - {""}
-                    if config is None and not flags <= {"fused", "unfused", "sep", "cublas", "nores"}:
+                    if config is None and not flags <= {"fused", "unfused", "sep", "step", "cublas", "nores"}:
                         raise SystemExit(f"{full!r}: the method's 4th field joins by '+' 'fused' / 'unfused' "
-                                         "(fuse_projections True / False), 'sep' (fused_step=False), 'cublas' "
+                                         "(fuse_projections True / False), 'sep' / 'step' (fused_step False / True), 'cublas' "
                                          "(decode_gemv=False) and 'nores' (fuse_residual=False)")
                     if config is not None:
                         method = "quest_graph_c"
@@ -251,7 +251,7 @@ def main(argv=None):
                                     policy=policy or "quest", page_size=int(page or 16), bounds=bounds or "key_dtype",
                                     fuse_projections=True if "fused" in flags else (
                                         False if "unfused" in flags else "auto"),
-                                    fused_step=False if "sep" in flags else "auto",
+                                    fused_step=False if "sep" in flags else (True if "step" in flags else "auto"),
                                     decode_gemv=False if "cublas" in flags else "auto",
                                     fuse_residual="nores" not in flags)
                     deferred = device.type == "cuda" and (
@@ -293,12 +293,13 @@ def main(argv=None):
                     if method.startswith("quest") and out is not None:
                         # no local name for the kept cache: it would stay alive into the next row's peak memory
                         decode_path = model._quest_state.decode_path
+                        step_kernels = model._quest_state.step_kernels  # fused_step: which kernels ran, and why
                     else:
-                        decode_path = None
+                        decode_path = step_kernels = None
                     warmup_s = WARMUP.pop("s", None)
                     row = dict(shape=shape, length=L, batch=B, beams=args.beams, method=full, budget=budget,
                                config=None if config is None else config_summary(config),
-                               decode_path=decode_path, prefill_s=prefill, warmup_s=warmup_s,
+                               decode_path=decode_path, step_kernels=step_kernels, prefill_s=prefill, warmup_s=warmup_s,
                                step_ms=step * 1e3, step_mean_ms=mean * 1e3, stop_check_deferred=deferred,
                                first_steps_ms=[round(t * 1e3, 2) for t in first],
                                tokens_per_s=B / step if step == step else float("nan"),
@@ -384,6 +385,10 @@ def write(args, rows) -> str:
               for r in rows if r.get("gpu_before") or r.get("gpu_after")]
     if states:  # nvidia-smi's clocks and power around each row: machines that differ show it here
         lines += ["", "GPU state around each row (nvidia-smi):", *states]
+    kernels = [f"- {r['method']}{'' if r['budget'] is None else ' ' + str(r['budget'])}: {r['step_kernels']}"
+               for r in rows if r.get("step_kernels")]
+    if kernels:  # QuestConfig.fused_step: the three-launch step or the separate kernels, and why
+        lines += ["", "Sparse layers' decode kernels (step_kernels):", *kernels]
     md = "\n".join(lines)
     meta = dict(date=datetime.date.today().isoformat(), command="python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -55,6 +55,10 @@ def test_fused_step_decodes_the_separate_kernels_tokens(single_thread):
         auto, auto_kernels = _run(model, ids)
         assert auto_kernels[1] == "separate: fused_step='auto' needs programmatic dependent launch (Hopper or newer)"
         assert torch.equal(auto.sequences, sep.sequences)
+    # "auto" keeps 8-bit bounds on the separate kernels (before asking for PDL, so this holds on any device).
+    _, int8_kernels = _run(model, ids, bounds="int8_channel")
+    assert int8_kernels[1:] == ["separate: fused_step='auto' takes key-dtype bounds only (slower with 8-bit bounds "
+                                "at 128K on an H100)"] * 2
 
 
 @triton_ok

@@ -101,6 +101,8 @@ def fused_step_declined(layer, q) -> str | None:
             return "fused_step='auto' takes batch 1 only (slower at batch 8 on an H200)"
         if group != 1:
             return "fused_step='auto' takes MHA only (tied with the separate kernels at a GQA group's shared score)"
+        if cfg.bounds != "key_dtype":
+            return "fused_step='auto' takes key-dtype bounds only (slower with 8-bit bounds at 128K on an H100)"
         if not pdl_available(q.device):
             return "fused_step='auto' needs programmatic dependent launch (Hopper or newer)"
     if layer.step_state is None and q.is_cuda and torch.cuda.is_current_stream_capturing():

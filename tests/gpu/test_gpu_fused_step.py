@@ -158,7 +158,7 @@ def _generate(model, ids, cuda_graph, **options):
     # decode_gemv=False: with the GEMV on, one step's scores of the fused and separate kernels differ by 0.64 (every
     # other step <= 0.004, tokens equal; benchmarks/kernels/round21, probe fused_int8c_probe.py); its cause is not
     # established, so this case checks the kernels with cuBLAS's projections, where all steps agree to rounding.
-    pytest.param(4, "llama", {}, dict(bounds="int8_channel", decode_gemv=False), id="mha-auto-int8c"),
+    pytest.param(4, "llama", {}, dict(bounds="int8_channel", decode_gemv=False, fused_step=True), id="mha-int8c-on"),
     pytest.param(2, "llama", {}, dict(gqa_mode="max", fused_step=True), id="gqa-max-on"),
     pytest.param(2, "mistral", dict(sliding_window=1024), dict(gqa_mode="max", fused_step=True), id="window-on"),
 ])
@@ -180,10 +180,13 @@ def test_patched_decode_through_the_fused_step_gives_the_separate_kernels_tokens
             torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)  # attention tiles differ: rounding
 
 
-def test_auto_keeps_the_separate_kernels_for_batches_and_gqa_unions():
+def test_auto_keeps_the_separate_kernels_for_batches_gqa_unions_and_8bit_bounds():
     model = _model(2)
     ids = torch.randint(2, 1000, (2, 600), device=DEV, generator=torch.Generator(DEV).manual_seed(2))
     _, kernels = _generate(model, ids, "auto", gqa_mode="max")
     assert kernels == ["separate: fused_step='auto' takes batch 1 only (slower at batch 8 on an H200)"] * 2
     _, kernels = _generate(model, ids[:1], "auto")
     assert kernels == ["separate: the GQA union (one score row a query head) runs as separate kernels"] * 2
+    _, kernels = _generate(_model(4), ids[:1], "auto", bounds="int8_channel")  # MHA, one sequence, 8-bit bounds
+    assert kernels == ["separate: fused_step='auto' takes key-dtype bounds only (slower with 8-bit bounds at 128K "
+                       "on an H100)"] * 2
