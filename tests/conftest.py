@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
 
 import pytest
 
+# Under pytest-xdist (the README's `-n auto`) each worker is a process of its own: share the cores among them, or
+# every worker's intra-op pool takes them all and they slow each other down.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def tiny_model(family: str, heads: int = 4, kv_heads: int = 2, layers: int = 4, **extra):
     """A random-weight model of `family` small enough for CPU tests (head_dim 16)."""
