@@ -163,9 +163,9 @@ class QuestConfig:
             three-launch step where it measured faster on an H200 (benchmarks/kernels/round19): one sequence, one
             score row a KV head without a GQA group (MHA), key-dtype bounds (with 8-bit bounds the separate kernels
             were faster at 128K on an H100: 60-61 vs 66-67 µs a layer, benchmarks/kernels/round33), PDL available;
-            elsewhere the separate kernels. Steps it
-            cannot take (beam search's page table, the GQA union, `reselect_every > 1`, offload, the PyTorch path, a
-            traced compiled step, rows wider than its Top-K tile) run the separate kernels under any setting;
+            elsewhere the separate kernels. Steps it cannot take (beam search's page table, the GQA union,
+            `reselect_every > 1`, offload, the PyTorch path, a traced compiled step, rows wider than its Top-K tile)
+            run the separate kernels under any setting;
             `layer.step_kernels` says which ran and why; `cache.step_kernels` and `model._quest_state.step_kernels`
             sum them up by layers.
         offload: None (default: every page on the layer's device) or `"cpu"`: each sparse layer keeps its K/V pages in

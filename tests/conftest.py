@@ -19,6 +19,23 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def run_fresh(module: str, timeout: int = 600):
+    """`module._main()` in a fresh Python process without Triton's interpreter (so its kernels compile: for sm_90,
+    which needs no GPU); returns the JSON it prints last. The tests' own process interprets kernels, and state an
+    interpreted kernel leaves there has broken triton 3.8's code generator (test_sm90_report.py)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")  # "0", not unset: this module, imported there, sets a default
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    run = subprocess.run([sys.executable, "-c", f"import {module} as t; t._main()"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def tiny_model(family: str, heads: int = 4, kv_heads: int = 2, layers: int = 4, **extra):
     """A random-weight model of `family` small enough for CPU tests (head_dim 16)."""
     import transformers as tf

@@ -9,11 +9,10 @@ interpreter, which compiles nothing).
 """
 import inspect
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from .conftest import run_fresh
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp16", "ids_ptr": "*i32",
             "valid_ptr": "*u8", "cnt_ptr": "*i32", "rows_ptr": "*i32", "pos_ptr": "*i32"}
@@ -55,13 +54,7 @@ def compiled():
 
     if "nvidia" not in backends:
         pytest.skip("triton's CUDA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    run = subprocess.run([sys.executable, "-c", "import tests.test_kernel_float_args as t; t._main()"], cwd=root,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_fresh("tests.test_kernel_float_args")
 
 
 def test_float_arguments_typed_fp64_compile_to_fp32_math(compiled):

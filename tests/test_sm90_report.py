@@ -1,15 +1,15 @@
 """`quest_hf.bench.sm90_report`: a Triton kernel compiled for sm_90 on a machine without a GPU (the offline register /
 SASS reports of benchmarks/kernels/round28/score_regs.py and round30/topk_sass.py).
 
-The compile runs in a fresh process: in a full run (triton 3.8.0), a kernel that an earlier test ran under the
-interpreter left triton's code generator failing on `tl.arange` ("'ir.value' object has no attribute 'dtype'"),
-while the same test passed alone. A user's offline report runs in a process of its own too."""
+The compile runs in a fresh process (`run_fresh`): in a full run (triton 3.8.0), a kernel that an earlier test ran
+under the interpreter left triton's code generator failing on `tl.arange` ("'ir.value' object has no attribute
+'dtype'"), while the same test passed alone. A user's offline report runs in a process of its own too."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from .conftest import run_fresh
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -20,31 +20,21 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="triton ships no ptxas here")
 
 
-_SCRIPT = """
-import json, sys
-import triton
-import triton.language as tl
-from quest_hf.bench import sm90_report
-
 @triton.jit
 def _scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n) * 2.0, mask=o < n)
 
-r = sm90_report(_scale_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", n="i32"), dict(BLOCK=1024), num_warps=4)
-json.dump(r, sys.stdout)
-"""
+
+def _main():
+    from quest_hf.bench import sm90_report
+
+    r = sm90_report(_scale_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", n="i32"), dict(BLOCK=1024), num_warps=4)
+    print(json.dumps(r))
 
 
-def test_reports_registers_sass_and_opcodes(tmp_path):
-    script = tmp_path / "report.py"  # a file: @triton.jit reads the kernel's source
-    script.write_text(_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads(done.stdout)
+def test_reports_registers_sass_and_opcodes():
+    r = run_fresh("tests.test_sm90_report", timeout=300)
     assert isinstance(r["registers"], int) and r["registers"] > 0
     assert r["spilled"] == 0 and r["shared"] == 0
     texts = [t for _, t in r["sass"]]
