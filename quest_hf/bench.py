@@ -270,11 +270,15 @@ def environment(device):
                 device=str(device), command=_env_prefix() + "python " + " ".join(sys.argv))
 
 
-def sm90_report(kernel, signature: dict, constexprs: dict, num_warps: int = 4) -> dict:
+def sm90_report(kernel, signature: dict, constexprs: dict, num_warps: int = 4, divisible=()) -> dict:
     """Compile a Triton kernel for sm_90 without a GPU (Triton's bundled ptxas and cuobjdump) and report what it
     became: `registers`, `spilled` (bytes of spill stores), `shared` (bytes), `sass` [(address, instruction text)]
     and `ops` {opcode: count} (predicates and modifiers stripped). Offline figures of the local triton, which may be
-    newer than a device's (benchmarks/kernels/round28/score_regs.py, round30/topk_sass.py)."""
+    newer than a device's (benchmarks/kernels/round28/score_regs.py, round30/topk_sass.py).
+
+    What a launch specializes on, give too, or the loads compile unvectorized: integer arguments equal to 1 (unit
+    strides) as `constexprs`, and `divisible` the names of the pointers and integers divisible by 16, as the JIT marks
+    them (benchmarks/kernels/round34/score_issue.py)."""
     import re
     import tempfile
 
@@ -287,7 +291,8 @@ def sm90_report(kernel, signature: dict, constexprs: dict, num_warps: int = 4) -
         kernel = JITFunction(kernel.fn)
     binaries = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     sig = dict(signature) | {c: "constexpr" for c in constexprs}
-    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")

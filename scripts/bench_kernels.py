@@ -45,6 +45,7 @@ from quest_hf.bench import (
     copy_bandwidth,
     gpu_state,
     kernel_durations,
+    launch_fields,
     results_dir,
     rotating,
     set_topk_launch,
@@ -467,6 +468,9 @@ def main(argv=None):
                     help="TopKLaunch fields for the sweep's Top-K (e.g. tail_tile=64; default: the library's)")
     ap.add_argument("--score-mma", choices=["auto", "on", "off"], default="auto",
                     help="the score kernel's tensor-core form (ScoreLaunch.mma: auto = GQA only, the default)")
+    ap.add_argument("--score-launch", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="ScoreLaunch fields for the score kernel, e.g. block_p=64 num_warps=8 packed_codes=True "
+                         "trunc_parts=True (after --score-mma)")
     ap.add_argument("--variants", action="store_true", help="also time the attention with its merge always/never fused")
     ap.add_argument("--bounds", nargs="+", default=["key_dtype"], choices=["key_dtype", "int8", "int8_channel"],
                     help="page bounds of each row (QuestConfig.bounds; int8: 8-bit codes + a scale a page; "
@@ -499,6 +503,10 @@ def main(argv=None):
     if args.score_mma != "auto":
         LAUNCH["score"] = dataclasses.replace(LAUNCH["score"], mma=args.score_mma == "on")
     meta["score_mma"] = args.score_mma
+    if args.score_launch:
+        fields = launch_fields(score_mod.ScoreLaunch, args.score_launch)
+        LAUNCH["score"] = dataclasses.replace(LAUNCH["score"], **fields)
+        meta["score_launch"] = " ".join(args.score_launch)
     if args.topk_launch:
         LAUNCH["topk"] = set_topk_launch(args.topk_launch)
         meta["topk_launch"] = " ".join(args.topk_launch)

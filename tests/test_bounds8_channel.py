@@ -11,8 +11,18 @@ from quest_hf import QuestCache, QuestConfig, patch_model
 from triton_kernels.bounds8 import channel_scales, channel_scales_of_bounds, empty_bounds8
 
 from .conftest import left_padded_batch, tiny_model
-from .test_bounds8 import KEY_KINDS, adversarial_keys, assert_scores_bound_the_best_qk, page_bounds, quantized
-from .testing import F16, F32
+from .test_bounds8 import (
+    KEY_KINDS,
+    adversarial_keys,
+    assert_scores_bound_the_best_qk,
+    chan_for,
+    page_bounds,
+    quantized,
+    stored_layer,
+    triton_ok,
+)
+from .testing import DEVICE as DEV
+from .testing import F16, F32, nan_empty
 
 
 def decoded(lo8, hi8, kscale, chan):
@@ -180,3 +190,81 @@ def test_a_hand_driven_loop_with_no_prefill_sets_the_scales_from_its_first_token
     layer = cache.layers[-1]
     assert_codes_match(layer)
     assert torch.equal(layer.kchan, channel_scales(layer.keys[:, :, :1]))
+
+
+# ------------------------------------------------------------------------ the score's packed-word path
+WORD_CASES = [
+    # B, H, D, S, L, left padding, beams' page table
+    pytest.param(1, 1, 64, 16, 20, (), False, id="len20"),
+    pytest.param(2, 3, 128, 16, 4097, (0, 100), True, id="len4097-pad-rows"),
+    pytest.param(2, 2, 64, 8, 45, (0, 7), True, id="len45-S8-rows"),
+]
+
+
+@triton_ok
+@pytest.mark.parametrize("qscale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("B,H,D,S,L,pad,beams", WORD_CASES)
+def test_packed_code_words_score_as_the_byte_path_and_the_twin(B, H, D, S, L, pad, beams, qscale, monkeypatch):
+    # ScoreLaunch.packed_codes: MHA rows over channel-scale codes read 4 codes a 32-bit word and take each channel's
+    # code by q's sign. Same -inf / +inf pages as the twin, finite scores within fp32 summation of its.
+    C = -(-L // S) * S + S
+    _, _, kmin, kmax, _ = stored_layer(B, H, D, S, L, C, F16, L, pad)
+    chan = chan_for("int8_channel", H, D, L)
+    lo8, hi8, scale = quantized(kmin, kmax, chan)
+    q = (torch.randn(B, H, D, generator=torch.Generator().manual_seed(L)) * qscale).half().to(DEV)
+    q[:, :, :3] = 0.0  # q = 0 takes either code: both give 0
+    rows = torch.randint(0, B, (B, C // S), dtype=torch.int32, device=DEV) if beams else None
+    kw = dict(pos=torch.tensor(L, device=DEV), rows=rows, scale=scale, chan=chan)
+    launch = tk.score.ScoreLaunch(packed_codes=True)
+    assert tk.score.packed_words(q, lo8, hi8, chan, launch)
+    want = tk.score_pages_ref(q, lo8, hi8, C, S, 0, "none", **kw)
+    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
+    got = tk.score_pages(q, lo8, hi8, C, S, 0, "none", launch=launch, **kw)
+    byte = tk.score_pages(q, lo8, hi8, C, S, 0, "none", **kw)
+    fin = want.isfinite()
+    assert fin.any() and (~fin).any() and not got.isnan().any()
+    assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin])
+    big = torch.maximum(lo8.abs(), hi8.abs()).float() * chan[None, :, None, :] * scale[..., None]  # [B, H, P, D]
+    if rows is not None:  # each page read from the batch row the page table names
+        page = torch.arange(C // S, device=DEV)
+        big = big[rows.long(), :, page[None, :]].permute(0, 2, 1, 3)
+    mag = (q.float().abs()[:, :, None, :] * big).sum(-1)  # sum of |terms|: fp32 summation's scale
+    for s in (got, byte):
+        assert ((s[fin] - want[fin]).abs() <= 1e-5 * mag[fin] + 1e-30).all()
+
+
+@pytest.mark.parametrize("what", ["off", "gqa", "no_chan", "odd_d", "strided", "offset"])
+def test_packed_code_words_decline_where_the_layout_does_not_allow_them(what):
+    B, H, P, D = 1, 2, 4, 64
+    lo8, hi8, scale = empty_bounds8(B, H, P, D, "cpu")
+    chan = torch.ones(H, D)
+    q = torch.zeros(B, H, D)
+    launch = tk.score.ScoreLaunch(packed_codes=True)
+    assert tk.score.packed_words(q, lo8, hi8, chan, launch)
+    if what == "off":
+        launch = tk.score.ScoreLaunch()
+    elif what == "gqa":
+        q = torch.zeros(B, 2 * H, D)
+    elif what == "no_chan":
+        chan = None
+    elif what == "odd_d":
+        lo8, hi8 = lo8[..., :62], hi8[..., :62]
+        q, chan = q[..., :62], chan[:, :62]
+    elif what == "strided":  # one code every other byte
+        lo8 = torch.zeros(B, H, P, 2 * D, dtype=torch.int8)[..., ::2]
+    else:  # rows not on a word boundary
+        lo8 = torch.zeros(B * H * P * D + 1, dtype=torch.int8)[1:].view(B, H, P, D)
+    assert not tk.score.packed_words(q, lo8, hi8, chan, launch)
+
+
+@triton_ok
+def test_truncated_parts_of_q_are_exact_bf16_parts_of_it():
+    # ScoreLaunch.trunc_parts ("mma8" on a GPU): q x channel scale in three bf16 parts by truncation, each exactly a
+    # bf16 value, summing exactly to x, the first two the top 8 significant bits of what is left.
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-20, 20, 4096)
+    x[:3] = torch.tensor([0.0, -0.0, 1.0 + 2**-23])
+    parts = tk.score.truncated_parts_ref(x)
+    got = tk.score.truncated_parts(x.to(DEV)).cpu()
+    assert torch.equal(got, parts)
+    assert all(torch.equal(p.to(torch.bfloat16).float(), p) for p in parts)
+    assert torch.equal(parts[0].double() + parts[1].double() + parts[2].double(), x.double())

@@ -29,8 +29,10 @@ def _scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 def _main():
     from quest_hf.bench import sm90_report
 
-    r = sm90_report(_scale_kernel, dict(x_ptr="*fp32", y_ptr="*fp32", n="i32"), dict(BLOCK=1024), num_warps=4)
-    print(json.dumps(r))
+    sig = dict(x_ptr="*fp32", y_ptr="*fp32", n="i32")
+    r = sm90_report(_scale_kernel, sig, dict(BLOCK=1024), num_warps=4)
+    aligned = sm90_report(_scale_kernel, sig, dict(BLOCK=1024), num_warps=4, divisible=("x_ptr", "y_ptr", "n"))
+    print(json.dumps(dict(r, aligned=aligned)))
 
 
 def test_reports_registers_sass_and_opcodes():
@@ -43,3 +45,12 @@ def test_reports_registers_sass_and_opcodes():
     assert addrs == sorted(addrs) and addrs[0] == 0 and all(b - a == 16 for a, b in zip(addrs, addrs[1:]))
     assert sum(r["ops"].values()) == len(r["sass"]) and r["ops"].get("FMUL", 0) + r["ops"].get("FADD", 0) >= 1
     assert top_ops(r["ops"], 2).count(",") == 1
+    # What the JIT knows of a launch's arguments (16-divisible pointers and sizes) vectorizes the loads: 128-bit
+    # loads only with it.
+    def loads(rep):  # opcodes of the loads, predicates ("@!P0") dropped
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in rep["sass"]]
+        return [op for op in ops if op.startswith("LDG")]
+
+    loads = dict(plain=loads(r), aligned=loads(r["aligned"]))
+    assert "LDG.E.128" in loads["aligned"] and "LDG.E.128" not in loads["plain"]
+    assert len(loads["aligned"]) < len(loads["plain"])

@@ -18,7 +18,7 @@ from ._common import (
 )
 from .bounds8 import check_chan
 
-__all__ = ["score_form", "score_pages", "score_pages_ref", "REDUCES"]
+__all__ = ["packed_words", "score_form", "score_pages", "score_pages_ref", "REDUCES"]
 
 # How the query heads of a KV group are combined: "none" keeps one row per query head (the union
 # policy takes the union of their Top-K later); "max"/"sum" share one score row per KV head.
@@ -146,11 +146,24 @@ class ScoreLaunch:
     False never. On an H100 (benchmarks/kernels/round27) it made Llama-3-8B union layer steps 3-9% faster (batch 8
     128K 244.1 -> 223.0 us) and MHA ones 3-9% slower (one query row padded to 16, the dot's layout conversion).
     8-bit codes take their own tensor-core form ("mma8") under the same rule: H100, int8_channel Llama-3-8B union
-    chained steps 2-9% faster (batch 8 128K 216.8 -> 197.6 us), the shared mode within noise (benchmarks/kernels/round29)."""
+    chained steps 2-9% faster (batch 8 128K 216.8 -> 197.6 us), the shared mode within noise (benchmarks/kernels/round29).
+
+    packed_codes: MHA rows (G = 1) over channel-scale 8-bit codes (`chan`) read the codes as 32-bit words, 4 channels
+    a word, and score each channel by one code chosen by q's sign (`packed_words` says where the layout allows it).
+    Compiled offline for sm_90 (benchmarks/kernels/round34), the elementwise 8-bit score issues 2.3x the instructions a
+    byte of the fp16 one (a quarter-rate int-to-float conversion, two products, a max and an add a code): more than
+    an H200 issues at its bandwidth. Off until timed on a GPU.
+
+    trunc_parts: "mma8" splits q' into its three bf16 parts by truncating bits (`_part_trunc`: integer ops) instead of
+    rounding conversions, 72 of them a thread at 4 warps and 32 pages, issued at a quarter rate on sm_90 (offline
+    SASS, benchmarks/kernels/round34). Same products (exact either way), sums rounded in another order. Off until
+    timed on a GPU."""
 
     block_p: int = 32
     num_warps: int = 4
     mma: bool | None = None
+    packed_codes: bool = False
+    trunc_parts: bool = False
 
 
 SCORE_LAUNCH = ScoreLaunch()
@@ -175,17 +188,113 @@ def score_form(q, kmin, scale=None, launch: ScoreLaunch = SCORE_LAUNCH) -> str:
 def mma_meta(q, kmin, scale, launch) -> dict:
     """`_score_block`'s MMA constexprs for a launch: MMA 0 elementwise, 1 tensor-core products, 2 the same in fp32
     operands (bf16 under Triton's interpreter, which holds bf16 as raw bits), 3 8-bit codes' products over bf16 parts
-    of q', 4 the same with one fp32 part (the interpreter); G_MMA the group's rows padded."""
+    of q', 4 the same with one fp32 part (the interpreter), 5 as 3 with q' split by truncation (`trunc_parts`); G_MMA
+    the group's rows padded."""
     form, mma = score_form(q, kmin, scale, launch), 0
     if form == "mma":
         mma = 2 if interpreting() and q.dtype == torch.bfloat16 else 1
     elif form == "mma8":  # rows: 3 parts (padded to 4) x the group's heads (padded)
-        mma = 4 if interpreting() else 3
+        mma = 4 if interpreting() else 5 if getattr(launch, "trunc_parts", False) else 3
         return dict(MMA=mma, G_MMA=max(16, 4 * next_pow2(q.shape[1] // kmin.shape[1])))
     return dict(MMA=mma, G_MMA=max(16, next_pow2(q.shape[1] // kmin.shape[1])))
 
 
 _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
+
+
+@triton.jit
+def _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, stride_qb, stride_qh, stride_qd,
+                     stride_nb, stride_nh, stride_np, stride_xb, stride_xh, stride_xp, chan_ptr, stride_ch, stride_cd,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One query head's sum over channels of `max(q'_d * lo_d, q'_d * hi_d)`, `q' = q x channel scale`, over int8
+    codes read as int32 words (4 channels a word: D % 4 == 0, unit channel stride, word-aligned rows; the launcher
+    checks). Since the channel scales are positive and lo <= hi on a live page, the max is q'_d * hi_d where q'_d > 0,
+    else q'_d * lo_d: one masked select picks 4 codes at once, and each code becomes fp32 exactly by integer ops and one
+    add (2^23 + u as bits, u = code + 128, minus 2^23 + 128). [BLOCK_P] fp32, before the page's scale."""
+    BLOCK_W: tl.constexpr = BLOCK_D // 4
+    o_w = tl.arange(0, BLOCK_W)
+    m_w = o_w < D // 4
+    m_pw = m_p[:, None] & m_w[None, :]
+    p_lo = (kmin_ptr.to(tl.pointer_type(tl.int32)) + o_row[:, None] * (stride_nb // 4) + i_h * (stride_nh // 4)
+            + o_p[:, None] * (stride_np // 4) + o_w[None, :])
+    p_hi = (kmax_ptr.to(tl.pointer_type(tl.int32)) + o_row[:, None] * (stride_xb // 4) + i_h * (stride_xh // 4)
+            + o_p[:, None] * (stride_xp // 4) + o_w[None, :])
+    b_lo = tl.load(p_lo, mask=m_pw, other=0)
+    b_hi = tl.load(p_hi, mask=m_pw, other=0)
+    # Byte lane i of word w is channel 4 w + i (little-endian); q' a lane: 4 vectors of BLOCK_W.
+    b_take = tl.zeros([BLOCK_W], dtype=tl.int32)
+    q0 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 0)
+    q1 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 1)
+    q2 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 2)
+    q3 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 3)
+    b_take = tl.where(q0 > 0.0, 0xFF, 0) | tl.where(q1 > 0.0, 0xFF00, 0) | tl.where(q2 > 0.0, 0xFF0000, 0)
+    b_take = b_take | tl.where(q3 > 0.0, -16777216, 0)  # 0xFF000000 as int32
+    # Each lane's byte x-or 0x80: the code + 128 as an unsigned byte.
+    b_u = ((b_hi & b_take[None, :]) | (b_lo & ~b_take[None, :])) ^ -2139062144  # 0x80808080
+    b_s = _lane_f32(b_u, 0) * q0[None, :]
+    b_s += _lane_f32(b_u, 8) * q1[None, :]
+    b_s += _lane_f32(b_u, 16) * q2[None, :]
+    b_s += _lane_f32(b_u, 24) * q3[None, :]
+    return tl.sum(b_s, axis=1)
+
+
+@triton.jit
+def _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd,
+            LANE: tl.constexpr):
+    """q x channel scale at channels 4 w + LANE (fp32, [BLOCK_W]; G = 1: query head i_h)."""
+    o_d = 4 * o_w + LANE
+    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d * stride_qd, mask=m_w, other=0.0).to(tl.float32)
+    return b_q * tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_w, other=0.0)
+
+
+@triton.jit
+def _lane_f32(b_u, SHIFT: tl.constexpr):
+    """Byte (b_u >> SHIFT) & 0xFF, an 8-bit code + 128, as its code in fp32: exact."""
+    b_bits = ((b_u >> SHIFT) & 0xFF) | 0x4B000000  # 2^23 + byte
+    return b_bits.to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+
+
+@triton.jit
+def _part_trunc(x, part):
+    """Part `part` (0, 1, 2: a row's) of fp32 `x` split by truncation into three bf16 values whose sum is x: each part
+    is the top 8 significant bits of what the parts before it left (x's low 16 bits cleared, then the rest's), so every
+    step is exact in fp32, the last part has at most 8 significant bits, and each part becomes bf16 by keeping its high
+    16 bits: integer ops, where `_part_of`'s rounding conversions issue at a quarter of the fp32 rate on sm_90
+    (ScoreLaunch.trunc_parts)."""
+    p0 = (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000
+    r1 = x - p0
+    p1 = (r1.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+    v = tl.where(part == 0, p0, tl.where(part == 1, p1, r1 - p1))
+    return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _trunc_parts_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + o, mask=o < N, other=0.0)
+    for part in tl.static_range(3):
+        tl.store(out_ptr + part * N + o, _part_trunc(x, part).to(tl.float32), mask=o < N)
+
+
+def truncated_parts(x: torch.Tensor) -> torch.Tensor:
+    """`_part_trunc`'s three parts of fp32 `x [N]` as fp32 `[3, N]` (what "mma8" with `ScoreLaunch.trunc_parts` feeds
+    its products; tested against `truncated_parts_ref`)."""
+    require_triton()
+    if x.dim() != 1 or x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32 [N], got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(3, x.numel(), dtype=torch.float32, device=x.device)
+    _trunc_parts_kernel[(cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    return out
+
+
+def truncated_parts_ref(x: torch.Tensor) -> torch.Tensor:
+    """PyTorch twin of `truncated_parts`: x's low 16 bits cleared, then the rest's, then what is left."""
+    def trunc(v):
+        return (v.view(torch.int32) & -65536).view(torch.float32)
+
+    p0 = trunc(x)
+    p1 = trunc(x - p0)
+    return torch.stack([p0, p1, x - p0 - p1])
 
 
 @triton.jit
@@ -210,7 +319,7 @@ def _score_block(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE: tl.constexpr,
     chan_ptr, stride_ch, stride_cd, USE_CHAN: tl.constexpr,
-    MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16,
+    MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16, WORDS: tl.constexpr = False,
 ):
     """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
     bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise). USE_SCALE: int8 codes
@@ -220,7 +329,9 @@ def _score_block(
     so `s = q+ @ hi^T + q- @ lo^T` with q's G rows padded to G_MMA: the halves of q are exact in its dtype and each
     product exact in the fp32 accumulator, so only the sum's rounding differs from the elementwise form. MMA 3 (8-bit
     codes, "mma8"; 4: the same with fp32 parts under the interpreter): the same two products over the codes, q times
-    the channel scales split into exact parts stacked as rows (see the branch)."""
+    the channel scales split into exact parts stacked as rows (see the branch). WORDS (G = 1, channel-scale codes,
+    `ScoreLaunch.packed_codes`): the codes read as 32-bit words, one code a channel chosen by q's sign
+    (`_code_word_score`)."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
@@ -249,12 +360,16 @@ def _score_block(
         if USE_CHAN:
             b_cs = tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
             b_x = b_x * b_cs[None, :]
-        part_ty: tl.constexpr = tl.bfloat16 if MMA == 3 else tl.float32
+        part_ty: tl.constexpr = tl.float32 if MMA == 4 else tl.bfloat16
         b_lo = tl.load(p_lo, mask=m_pd, other=0).to(tl.float32).to(part_ty)
         b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32).to(part_ty)
         b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
-        b_ap = _part_of(tl.maximum(b_x, 0.0), r_part, part_ty)
-        b_an = _part_of(tl.minimum(b_x, 0.0), r_part, part_ty)
+        if MMA == 5:
+            b_ap = _part_trunc(tl.maximum(b_x, 0.0), r_part)
+            b_an = _part_trunc(tl.minimum(b_x, 0.0), r_part)
+        else:
+            b_ap = _part_of(tl.maximum(b_x, 0.0), r_part, part_ty)
+            b_an = _part_of(tl.minimum(b_x, 0.0), r_part, part_ty)
         b_sr = tl.dot(b_ap, tl.trans(b_hi), out_dtype=tl.float32, input_precision="ieee")
         b_sr = tl.dot(b_an, tl.trans(b_lo), acc=b_sr, input_precision="ieee")  # [G_MMA, BLOCK_P]: part x head rows
         b_sg = tl.sum(tl.reshape(b_sr, [4, G_PAD, BLOCK_P]), axis=0) * b_sc[None, :]  # [G_PAD, BLOCK_P]
@@ -288,6 +403,15 @@ def _score_block(
         else:
             tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op,
                      tl.sum(tl.where(m_g[:, None], b_sg, 0.0), axis=0), mask=m_p)
+    elif WORDS:
+        b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
+        # x the page's 2^e: exact, so the page's scale leaves the sum (as below).
+        b_s = _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, stride_qb, stride_qh, stride_qd,
+                               stride_nb, stride_nh, stride_np, stride_xb, stride_xh, stride_xp, chan_ptr, stride_ch,
+                               stride_cd, D, BLOCK_D) * b_sc
+        b_s = tl.where(m_dead, float("-inf"), b_s)
+        b_s = tl.where(m_cur, float("inf"), b_s)
+        tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_s, mask=m_p)
     else:
         b_lo = tl.load(p_lo, mask=m_pd, other=0).to(tl.float32)
         b_hi = tl.load(p_hi, mask=m_pd, other=0).to(tl.float32)
@@ -335,7 +459,7 @@ def _score_pages_kernel(
     H_KV, P, P_DEAD, PAGE, WINDOW, chan_ptr, stride_ch, stride_cd,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
-    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr,
+    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
     # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
@@ -360,7 +484,18 @@ def _score_pages_kernel(
                      stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
                      P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
                      scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd, USE_CHAN,
-                     MMA, G_MMA)
+                     MMA, G_MMA, WORDS)
+
+
+def packed_words(q, kmin, kmax, chan, launch: ScoreLaunch = SCORE_LAUNCH) -> bool:
+    """Whether `score_pages` reads these channel-scale codes as 32-bit words (`ScoreLaunch.packed_codes`): MHA
+    (G = 1), int8 codes with `chan`, D % 4 == 0, unit channel stride, every other stride and both bases 4-byte
+    aligned. Elsewhere the byte path runs, same scores up to rounding."""
+    if not (launch.packed_codes and chan is not None and kmin.dtype == torch.int8 and q.shape[1] == kmin.shape[1]):
+        return False
+    D = kmin.shape[-1]
+    return D % 4 == 0 and all(
+        t.stride(-1) == 1 and all(st % 4 == 0 for st in t.stride()[:-1]) and t.data_ptr() % 4 == 0 for t in (kmin, kmax))
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
@@ -395,6 +530,6 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         chan if chan is not None else out, *(chan.stride() if chan is not None else (0, 0)),
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None, USE_CHAN=chan is not None,
-        **mma_meta(q, kmin, scale, launch), num_warps=launch.num_warps,
+        **mma_meta(q, kmin, scale, launch), WORDS=packed_words(q, kmin, kmax, chan, launch), num_warps=launch.num_warps,
     )
     return out

@@ -74,9 +74,10 @@ def test_default_form_is_mma_for_gqa_and_elementwise_where_it_cannot_hold():
 @pytest.mark.parametrize("reduce", ["none", "max"])
 @pytest.mark.parametrize("qscale", [1e-3, 1.0, 1e3])
 def test_mma8_scores_match_the_elementwise_form_and_the_reference(kind, dtype, B, Hq, H, reduce, qscale):
-    """The 8-bit codes' tensor-core form: q x channel scales split into three bf16 parts stacked as rows, two products. Within fp32
-    summation of the elementwise form and the reference at every query scale, still an upper bound of the float
-    bounds' score (the codes round outward), the same Top-K but for near-ties."""
+    """The 8-bit codes' tensor-core form: q x channel scales split into three bf16 parts stacked as rows, two products
+    (the parts rounded or, `trunc_parts`, truncated). Within fp32 summation of the elementwise form (bytes, or
+    `packed_codes` words) and the reference at every query scale, still an upper bound of the float bounds' score (the
+    codes round outward), the same Top-K but for near-ties."""
     D, S, P, empty = 128, 16, 2053, 5
     kmin, kmax = _bounds(B, H, P, D, dtype, empty, seed=1)
     chan = channel_scales_of_bounds(kmin, kmax, 64) if kind == "int8_channel" else None
@@ -86,11 +87,15 @@ def test_mma8_scores_match_the_elementwise_form_and_the_reference(kind, dtype, B
     pos = torch.tensor((P - empty) * S - 3, device=DEV)
     C = P * S
     got = {}
-    for mma in (True, False):
-        launch = ScoreLaunch(mma=mma)
-        assert tk.score_form(q, lo8, sc, launch) == ("mma8" if mma else "elementwise")
+    # The two forms, and (round 34) each with its issue-saving option: q' split by truncation ("mma8"), the codes
+    # read as 32-bit words (MHA rows on channel scales only; elsewhere the byte path runs).
+    launches = {True: ScoreLaunch(mma=True), False: ScoreLaunch(mma=False),
+                "trunc": ScoreLaunch(mma=True, trunc_parts=True), "words": ScoreLaunch(mma=False, packed_codes=True)}
+    assert tk.score.packed_words(q, lo8, hi8, chan, launches["words"]) == (kind == "int8_channel" and Hq == H)
+    for name, launch in launches.items():
+        assert tk.score_form(q, lo8, sc, launch) == ("mma8" if name in (True, "trunc") else "elementwise")
         out = torch.full((B, Hq if reduce == "none" else H, P), float("nan"), device=DEV)
-        got[mma] = tk.score_pages(q, lo8, hi8, C, S, 64, reduce, pos=pos, scale=sc, chan=chan, launch=launch, out=out)
+        got[name] = tk.score_pages(q, lo8, hi8, C, S, 64, reduce, pos=pos, scale=sc, chan=chan, launch=launch, out=out)
     ref = tk.score_pages_ref(q, lo8, hi8, C, S, 64, reduce, pos=pos, scale=sc, chan=chan)
     exact = tk.score_pages_ref(q, kmin, kmax, C, S, 64, reduce, pos=pos)
     fin = ref.isfinite()
