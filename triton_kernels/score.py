@@ -221,12 +221,15 @@ def _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, strid
             + o_p[:, None] * (stride_xp // 4) + o_w[None, :])
     b_lo = tl.load(p_lo, mask=m_pw, other=0)
     b_hi = tl.load(p_hi, mask=m_pw, other=0)
-    # Byte lane i of word w is channel 4 w + i (little-endian); q' a lane: 4 vectors of BLOCK_W.
-    b_take = tl.zeros([BLOCK_W], dtype=tl.int32)
-    q0 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 0)
-    q1 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 1)
-    q2 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 2)
-    q3 = _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd, 3)
+    # Byte lane i of word w is channel 4 w + i (little-endian): q' as [BLOCK_W, 4] (one vector load a word), then
+    # its 4 lanes apart.
+    o_d = 4 * o_w[:, None] + tl.arange(0, 4)[None, :]
+    m_d = m_w[:, None] & (o_d < D)
+    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d * stride_qd, mask=m_d, other=0.0).to(tl.float32)
+    b_q = b_q * tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
+    q02, q13 = tl.split(tl.reshape(b_q, [BLOCK_W, 2, 2]))  # lanes (0, 2) and (1, 3)
+    q0, q2 = tl.split(q02)
+    q1, q3 = tl.split(q13)
     b_take = tl.where(q0 > 0.0, 0xFF, 0) | tl.where(q1 > 0.0, 0xFF00, 0) | tl.where(q2 > 0.0, 0xFF0000, 0)
     b_take = b_take | tl.where(q3 > 0.0, -16777216, 0)  # 0xFF000000 as int32
     # Each lane's byte x-or 0x80: the code + 128 as an unsigned byte.
@@ -236,15 +239,6 @@ def _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, strid
     b_s += _lane_f32(b_u, 16) * q2[None, :]
     b_s += _lane_f32(b_u, 24) * q3[None, :]
     return tl.sum(b_s, axis=1)
-
-
-@triton.jit
-def _q_lane(q_ptr, chan_ptr, i_b, i_h, o_w, m_w, stride_qb, stride_qh, stride_qd, stride_ch, stride_cd,
-            LANE: tl.constexpr):
-    """q x channel scale at channels 4 w + LANE (fp32, [BLOCK_W]; G = 1: query head i_h)."""
-    o_d = 4 * o_w + LANE
-    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d * stride_qd, mask=m_w, other=0.0).to(tl.float32)
-    return b_q * tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_w, other=0.0)
 
 
 @triton.jit
@@ -456,17 +450,19 @@ def _score_pages_kernel(
     stride_xb, stride_xh, stride_xp, stride_xd,
     stride_ob, stride_oh, stride_op, stride_rb,
     stride_sb, stride_sh, stride_sp,
-    H_KV, P, P_DEAD, PAGE, WINDOW, chan_ptr, stride_ch, stride_cd,
+    P, P_DEAD, WINDOW, chan_ptr, stride_ch, stride_cd,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
-    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr, WORDS: tl.constexpr = False,
+    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr, PAGE: tl.constexpr, WORDS: tl.constexpr = False,
 ):
     # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
     # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
     # the same flag and none of these scores (`due_flag`: without HAS_DUE no branch is emitted).
     if due_flag(due_ptr, HAS_DUE) != 0:
-        i_bh = tl.program_id(0).to(tl.int64)  # batch x head offsets pass 2^31 elements on large caches
-        i_b = i_bh // H_KV
+        # grid (KV head, page block, batch row): no division for either index. int64: batch x head offsets pass 2^31
+        # elements on large caches.
+        i_h = tl.program_id(0).to(tl.int64)
+        i_b = tl.program_id(2).to(tl.int64)
         o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
         if HAS_ROWS:  # beam search: each page of this sequence lives in the batch row its page table names
             o_row = tl.load(rows_ptr + i_b * stride_rb + o_p, mask=o_p < P, other=0).to(tl.int64)
@@ -479,7 +475,7 @@ def _score_pages_kernel(
             cur = (i_pos - 1) // PAGE
             if WINDOW > 0:  # sliding window: pages ending before the window's first slot are never chosen
                 p_dead = tl.maximum(i_pos - WINDOW, 0) // PAGE
-        _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_bh % H_KV, o_p, o_row,
+        _score_block(q_ptr, kmin_ptr, kmax_ptr, out_ptr, i_b, i_h, o_p, o_row,
                      stride_qb, stride_qh, stride_qd, stride_nb, stride_nh, stride_np, stride_nd,
                      stride_xb, stride_xh, stride_xp, stride_xd, stride_ob, stride_oh, stride_op,
                      P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
@@ -519,17 +515,18 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
     check_out(out, shape, torch.float32, q.device)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32, device=q.device)
-    grid = (B * H, cdiv(P, launch.block_p))
+    grid = (H, cdiv(P, launch.block_p), B)
     s_strides = scale.stride() if scale is not None else (0, 0, 0)
     _score_pages_kernel[grid](
         q, kmin, kmax, out, pos if pos is not None else out, rows if rows is not None else out,
         scale if scale is not None else out, due_arg(due, out),
         *q.stride(), *kmin.stride(), *kmax.stride(), *out.stride(), rows.stride(0) if rows is not None else 0,
         *s_strides,
-        H, P, window_start // page_size, page_size, window,
+        P, window_start // page_size, window,
         chan if chan is not None else out, *(chan.stride() if chan is not None else (0, 0)),
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None, USE_CHAN=chan is not None,
-        **mma_meta(q, kmin, scale, launch), WORDS=packed_words(q, kmin, kmax, chan, launch), num_warps=launch.num_warps,
+        **mma_meta(q, kmin, scale, launch), PAGE=page_size, WORDS=packed_words(q, kmin, kmax, chan, launch),
+        num_warps=launch.num_warps,
     )
     return out

@@ -24,7 +24,7 @@ def signature(bounds_ty: str) -> dict:
 def build(name: str, bounds_ty: str, mma: int, codes: bool, G: int = 4, block_p: int = 32, warps: int = 4):
     g_mma = max(16, 4 * triton.next_power_of_2(G)) if mma >= 3 else max(16, triton.next_power_of_2(G))
     consts = dict(G=G, D=128, BLOCK_D=128, BLOCK_P=block_p, REDUCE=0, HAS_POS=True, HAS_ROWS=False,
-                  USE_SCALE=codes, HAS_DUE=False, USE_CHAN=codes, MMA=mma, G_MMA=g_mma)
+                  USE_SCALE=codes, HAS_DUE=False, USE_CHAN=codes, MMA=mma, G_MMA=g_mma, PAGE=16)
     r = sm90_report(_score_pages_kernel, signature(bounds_ty), consts, warps)
     print(f"{name}: {r['registers'] or '?'} registers, {r['spilled'] if r['spilled'] is not None else '?'} bytes "
           f"spilled, {r['shared']} B shared, {len(r['sass'])} SASS instructions ({top_ops(r['ops'])})", flush=True)

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Round 34, call 1 (any Hopper card): the score kernel's issue-saving options (built this round, off by default, never
 # yet run on a GPU). First the GPU test files they and round 33 changed, then #16's kernel rows with int8_channel
-# bounds under four score launches, one process each, same machine: the default; trunc_parts + packed_codes;
-# 64 pages a program; both. Only md tables and logs come back (the device returns 8 files).
+# bounds under five score launches, one process each, same machine: the default; trunc_parts + packed_codes;
+# 64 pages a program; both; both at 128 pages. Only md tables and logs come back (the device returns 8 files).
 cd "$(dirname "$0")/../../.." || exit 1
 export PYTHONPATH=. PYTHONUNBUFFERED=1; O=${OUT:-results/round34}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | tee $O/gpu.txt
@@ -18,8 +18,9 @@ run default
 run opts trunc_parts=True packed_codes=True
 run p64 block_p=64
 run p64opts block_p=64 trunc_parts=True packed_codes=True
+run p128opts block_p=128 trunc_parts=True packed_codes=True
 # one table of the chained rows: name, shape, L, B, mode, score us, chain us, x SDPA
-for n in default opts p64 p64opts; do
+for n in default opts p64 p64opts p128opts; do
   grep -E "^\| llama" $O/k/$n.md | awk -F'|' -v n=$n '{print n, $2, $3, $4, $7, $10, $24, $26}'
 done > $O/rows.txt; cat $O/rows.txt
 find $O -name '*.json' -delete; rm -rf $O/k

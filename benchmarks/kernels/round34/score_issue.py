@@ -30,7 +30,7 @@ def signature(bounds_ty):
     sig.update(q_ptr="*fp16", out_ptr="*fp32", scale_ptr="*fp32", chan_ptr="*fp32", kmin_ptr=bounds_ty,
                kmax_ptr=bounds_ty, pos_ptr="*i64", rows_ptr="*i32", due_ptr="*i32")
     for n in ("G", "D", "BLOCK_D", "BLOCK_P", "REDUCE", "HAS_POS", "HAS_ROWS", "USE_SCALE", "HAS_DUE", "USE_CHAN",
-              "MMA", "G_MMA", "WORDS"):
+              "MMA", "G_MMA", "PAGE", "WORDS"):
         sig.pop(n, None)
     return sig
 
@@ -38,7 +38,7 @@ def signature(bounds_ty):
 def row(name, codes, G, mma, words=False, block_p=32, warps=4):
     g_mma = max(16, 4 * triton.next_power_of_2(G)) if mma >= 3 else max(16, triton.next_power_of_2(G))
     consts = dict(G=G, D=128, BLOCK_D=128, BLOCK_P=block_p, REDUCE=0, HAS_POS=True, HAS_ROWS=False, USE_SCALE=codes,
-                  HAS_DUE=False, USE_CHAN=codes, MMA=mma, G_MMA=g_mma, WORDS=words, **UNIT)
+                  HAS_DUE=False, USE_CHAN=codes, MMA=mma, G_MMA=g_mma, PAGE=16, WORDS=words, **UNIT)
     r = sm90_report(_score_pages_kernel, signature("*i8" if codes else "*fp16"), consts, warps, divisible=DIVISIBLE)
     n = len(r["sass"])
     # conversions of data: I2F / F2F, not the I2F.RP of the integer divisions' reciprocal
@@ -56,7 +56,7 @@ if __name__ == "__main__":
           f"{budgets}")
     print("| form | pages a program | warps | registers | SASS a thread | I2F/F2F (data) | warp-instr / byte | "
           "of budget (H100 SXM, H200) |\n|---|---|---|---|---|---|---|---|")
-    for bp, w in ((32, 4), (64, 4), (64, 8), (128, 8)):
+    for bp, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
         row("MHA fp16 bounds (elementwise)", False, 1, 0, block_p=bp, warps=w)
         row("MHA int8_channel, bytes (elementwise)", True, 1, 0, block_p=bp, warps=w)
         row("MHA int8_channel, packed_codes", True, 1, 0, words=True, block_p=bp, warps=w)
