@@ -28,16 +28,22 @@ CASES = [
     pytest.param(1, 4, 2, 32, 8, 411, 9, F32, (), "max", "int8_channel", True, 0, 0.0, False, id="max-int8c-pos"),
     pytest.param(2, 6, 2, 64, 16, 250, 4, F32, (7, 0), "sum", "int8", True, 100, 5.0, True, id="sum-window-cap-sinks"),
     pytest.param(1, 2, 2, 16, 4, 37, 50, F32, (), "none", "key_dtype", False, 0, 0.0, False, id="k>=P"),
+    pytest.param(2, 3, 3, 64, 16, 333, 5, F16, (0, 100), "none", "int8_channel", True, 0, 0.0, False,
+                 id="mha-int8c-pad"),
 ]
 
 
 # The scoring launch in the tensor-core forms (`StepLaunch.score_mma`): "mma" on float bounds in q's 16-bit dtype,
 # "mma8" on 8-bit codes (the int8 cases here), the elementwise form otherwise.
 THREE_MMA = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, score_mma=True)
+# The scoring launch's ScoreLaunch options (round 34): MHA channel codes read as 32-bit words (the mha-int8c case).
+# trunc_parts runs on a GPU only (the interpreter's "mma8" takes one fp32 part): tests/gpu/test_gpu_fused_step.py.
+THREE_OPTS = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, packed_codes=True)
 
 
-@pytest.mark.parametrize("launch", [SMALL, THREE, RESIDENT, THREE_MMA],
-                         ids=["one-launch", "three-launches", "resident-scoring", "three-launches-mma"])
+@pytest.mark.parametrize("launch", [SMALL, THREE, RESIDENT, THREE_MMA, THREE_OPTS],
+                         ids=["one-launch", "three-launches", "resident-scoring", "three-launches-mma",
+                              "three-launches-opts"])
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,L,k,dtype,pad,reduce,bounds,use_pos,window,softcap,sinks", CASES)
 def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, reduce, bounds, use_pos, window,
                                            softcap, sinks, launch, monkeypatch):
@@ -52,6 +58,9 @@ def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, r
         chan = channel_scales(kc[:, :, :L]) if bounds == "int8_channel" else None
         tk.quantize_bounds(kmin, kmax, lo, hi, sc, chan=chan)
         kw = dict(scale=sc, chan=chan)
+    # The word path is taken where it applies (one query head a KV head, channel codes).
+    assert tk.score.packed_words(q, lo, hi, kw.get("chan"), launch.score_form) == (
+        launch.packed_codes and bounds == "int8_channel" and Hq == Hkv)
     att = dict(softcap=softcap, sinks=torch.linspace(-1, 2, Hq).to(DEV) if sinks else None)
     args = (q, lo, hi, kc, vc, valid, seq, S, k, D ** -0.5, reduce)
     out_ref, ids_ref = fs.quest_step_ref(*args, pos=pos, window=window, **kw, **att)

@@ -39,7 +39,7 @@ import torch
 
 from . import topk as _topk
 from ._common import as_u8, cdiv, interpreting, next_pow2, num_sms, pdl_available, require_triton, tl, triton
-from .score import ScoreLaunch, _score_block, mma_meta, score_pages_ref
+from .score import ScoreLaunch, _score_block, mma_meta, packed_words, score_pages_ref
 from .score import _check as _check_score
 from .sparse_attention import (
     LOG2E,
@@ -90,7 +90,8 @@ class StepLaunch:
     row timed (32K: 65.9 / 48.6 us).
 
     score_mma (three launches only): the scoring launch takes the score kernel's tensor-core form (`ScoreLaunch.mma`
-    True: `score_form`) where the bounds allow it."""
+    True: `score_form`) where the bounds allow it. packed_codes / trunc_parts (three launches only): the scoring
+    launch's `ScoreLaunch` options of the same names (benchmarks/kernels/round34; off, untimed)."""
 
     score_block: int = 64
     score_item: int = 64
@@ -104,6 +105,8 @@ class StepLaunch:
     score_programs: int = 0
     topk_warps: int | None = None
     score_mma: bool = False
+    packed_codes: bool = False
+    trunc_parts: bool = False
 
     def __post_init__(self):
         if self.score_item % self.score_block:
@@ -124,7 +127,8 @@ class StepLaunch:
     @functools.cached_property
     def score_form(self) -> ScoreLaunch:
         """The `ScoreLaunch` whose form (`score_form`) the three-launch step's scoring takes."""
-        return ScoreLaunch(block_p=self.score_block, mma=self.score_mma)
+        return ScoreLaunch(block_p=self.score_block, mma=self.score_mma, packed_codes=self.packed_codes,
+                           trunc_parts=self.trunc_parts)
 
 
 STEP_LAUNCH = StepLaunch()
@@ -253,6 +257,7 @@ def _score_count_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """The three-launch step's first launch (`StepLaunch.launches`): score items, head-major, each counted toward
     its head; no Top-K, so it holds only the scoring's registers. A program takes items `pid, pid + grid, ...`:
@@ -270,7 +275,7 @@ def _score_count_kernel(
                     stride_xb, stride_xh, stride_xp, stride_xd, stride_sb, stride_sh, stride_sp, stride_ch, stride_cd,
                     H_KV, P, NCHUNK, 1, 1, cur, p_dead,
                     G, D, BLOCK_D, BLOCK_P, SCORE_ITEM, REDUCE, USE_SCALE, USE_CHAN, 16, 0, 16, False, False,
-                    MMA, G_MMA)
+                    MMA, G_MMA, WORDS)
 
 
 @triton.jit
@@ -364,7 +369,7 @@ def _score_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
     TK_BLOCK: tl.constexpr, TAIL: tl.constexpr, RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr,
-    TOPK: tl.constexpr = True, MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16,
+    TOPK: tl.constexpr = True, MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16, WORDS: tl.constexpr = False,
 ):
     """Score item `i_t`: `SCORE_ITEM` pages of one KV head (head-major), counted toward the head's Top-K; with TOPK,
     the head's last item to finish runs the head's Top-K and raises the head's flag (else `_topk_wait_kernel`
@@ -378,7 +383,7 @@ def _score_item(
                      stride_xb, stride_xh, stride_xp, stride_xd, H_KV * P, P, 1,
                      P, p_dead, cur, G, D, BLOCK_D, BLOCK_P, REDUCE,
                      scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE, chan_ptr, stride_ch, stride_cd,
-                     USE_CHAN, MMA, G_MMA)
+                     USE_CHAN, MMA, G_MMA, WORDS)
     # Every thread's score stores are ordered before the count by the barrier and the atomic's release; the
     # head's last item acquires them and reads the row from L2 (.cg: L1 is not coherent across programs).
     tl.debug_barrier()
@@ -497,7 +502,8 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
             _score_count_kernel[(score_grid,)](*s_ptrs, pos_arg, state, *s_strides, H, P, nchunk, n_score, page_size,
                                                window,
                                             **both, **s_meta, PDL=pdl, num_warps=launch.num_warps, **after,
-                                            **mma_meta(q, kmin, scale, launch.score_form)),
+                                            **mma_meta(q, kmin, scale, launch.score_form),
+                                            WORDS=packed_words(q, kmin, kmax, chan, launch.score_form)),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
                                         num_warps=launch.topk_warps or tk_warps, **after),
             _attend_kernel[(B * H * splits,)](

@@ -48,7 +48,7 @@ def parse_config(text):
     kw = {}
     for item in filter(None, text.split(",")):
         name, value = item.split("=")
-        kw[name] = int(value)
+        kw[name] = None if value == "None" else (value == "True" if value in ("True", "False") else int(value))
     return dataclasses.replace(fs.STEP_LAUNCH, **kw)
 
 
