@@ -1,8 +1,8 @@
 #!/bin/bash
-# Round 34, call 2 (any Hopper card; after call1.sh's tests pass): #16's kernel rows, key-dtype and int8_channel bounds,
-# under five score launches (the options touch the 8-bit forms only; the page counts a program touch both), one process each, same machine: the default; trunc_parts + packed_codes; 64 pages a program; both;
-# both at 128 pages; then the three-launch step with packed codes. Only logs and one table come back (the
-# device returns 8 files).
+# Round 34, call 2 (any Hopper card; after call1.sh's tests pass): #16's kernel rows, key-dtype and int8_channel
+# bounds, under five score launches, one process each, same machine (the options touch the 8-bit forms only; the pages
+# a program touch both): the default; trunc_parts + packed_codes; 64 pages a program; both; both at 128 pages. Then the
+# three-launch step with packed codes. Only logs and one table come back (the device returns 8 files).
 cd "$(dirname "$0")/../../.." || exit 1
 export PYTHONPATH=. PYTHONUNBUFFERED=1; O=${OUT:-results/round34}; mkdir -p $O
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader | tee $O/gpu2.txt
