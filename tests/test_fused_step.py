@@ -36,9 +36,11 @@ CASES = [
 # The scoring launch in the tensor-core forms (`StepLaunch.score_mma`): "mma" on float bounds in q's 16-bit dtype,
 # "mma8" on 8-bit codes (the int8 cases here), the elementwise form otherwise.
 THREE_MMA = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, score_mma=True)
-# The scoring launch's ScoreLaunch options (round 34): MHA channel codes read as 32-bit words (the mha-int8c case).
+# The scoring launch's ScoreLaunch options (round 34): MHA channel codes (mha-int8c) and fp16 bounds (mha-pad) read
+# as 32-bit words.
 # trunc_parts runs on a GPU only (the interpreter's "mma8" takes one fp32 part): tests/gpu/test_gpu_fused_step.py.
-THREE_OPTS = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, packed_codes=True)
+THREE_OPTS = fs.StepLaunch(score_block=16, score_item=32, block_n=16, launches=3, packed_codes=True,
+                           packed_bounds=True)
 
 
 @pytest.mark.parametrize("launch", [SMALL, THREE, RESIDENT, THREE_MMA, THREE_OPTS],
@@ -58,9 +60,10 @@ def test_fused_step_matches_the_references(B, Hq, Hkv, D, S, L, k, dtype, pad, r
         chan = channel_scales(kc[:, :, :L]) if bounds == "int8_channel" else None
         tk.quantize_bounds(kmin, kmax, lo, hi, sc, chan=chan)
         kw = dict(scale=sc, chan=chan)
-    # The word path is taken where it applies (one query head a KV head, channel codes).
-    assert tk.score.packed_words(q, lo, hi, kw.get("chan"), launch.score_form) == (
-        launch.packed_codes and bounds == "int8_channel" and Hq == Hkv)
+    # The word paths are taken where they apply: one query head a KV head, channel codes or 16-bit float bounds.
+    assert tk.score.word_form(q, lo, hi, kw.get("scale"), kw.get("chan"), launch.score_form) == (
+        1 if launch.packed_codes and bounds == "int8_channel" and Hq == Hkv else
+        2 if launch.packed_bounds and bounds == "key_dtype" and dtype != F32 and Hq == Hkv else 0)
     att = dict(softcap=softcap, sinks=torch.linspace(-1, 2, Hq).to(DEV) if sinks else None)
     args = (q, lo, hi, kc, vc, valid, seq, S, k, D ** -0.5, reduce)
     out_ref, ids_ref = fs.quest_step_ref(*args, pos=pos, window=window, **kw, **att)

@@ -179,6 +179,63 @@ def test_score_matches_reference(B, Hq, Hkv, D, S, L, ws, reduce, dtype, pad, mm
     assert_close(got[~inf], want[~inf], F32)
 
 
+HALF_WORD_CASES = [
+    # B, H, D, S, L, window_start, dtype, padding, beams' page table
+    pytest.param(1, 1, 64, 16, 20, 0, F16, (), False, id="len20-fp16"),
+    pytest.param(2, 3, 128, 16, 4097, 1000, BF16, (0, 100), True, id="len4097-bf16-window-pad-rows"),
+    pytest.param(3, 2, 64, 8, 77, 0, F16, (0, 20, 76), True, id="len77-S8-fp16-pad-rows"),
+]
+
+
+@pytest.mark.parametrize("B,H,D,S,L,ws,dtype,pad,beams", HALF_WORD_CASES)
+def test_score_packed_bounds_as_the_element_path_and_the_twin(B, H, D, S, L, ws, dtype, pad, beams, monkeypatch):
+    # ScoreLaunch.packed_bounds: MHA rows over 16-bit float bounds read 2 channels a 32-bit word and take each
+    # channel's bound by q's sign. The same products as the element path; sums fused (rounding only).
+    kc, vc, kmin, kmax, valid = filled_layer(B, H, D, S, L, dtype, seed=L, pad=pad)
+    C = kc.shape[2]
+    q = torch.randn(B, H, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+    q[:, :, :3] = 0.0  # q = 0 takes either bound
+    rows = torch.randint(0, B, (B, C // S), dtype=torch.int32, device=DEV) if beams else None
+    kw = dict(pos=torch.tensor(L, device=DEV), rows=rows)
+    launch = tk.score.ScoreLaunch(packed_bounds=True)
+    assert tk.score.packed_halves(q, kmin, kmax, None, launch) and tk.score.word_form(q, kmin, kmax, None, None, launch) == 2
+    want = tk.score_pages_ref(q, kmin, kmax, C, S, ws, "none", **kw)
+    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
+    got = tk.score_pages(q, kmin, kmax, C, S, ws, "none", launch=launch, **kw)
+    elem = tk.score_pages(q, kmin, kmax, C, S, ws, "none", **kw)
+    fin = want.isfinite()
+    assert fin.any() and (~fin).any() and not got.isnan().any()
+    assert torch.equal(fin, got.isfinite()) and torch.equal(want[~fin], got[~fin])
+    assert_close(got[fin], want[fin], F32)
+    assert_close(got[fin], elem[fin], F32)
+
+
+@pytest.mark.parametrize("what", ["off", "gqa", "fp32", "scale", "mma", "odd_d", "strided", "offset"])
+def test_score_packed_bounds_decline_where_they_do_not_apply(what):
+    B, H, P, D = 1, 2, 4, 64
+    kmin = torch.zeros(B, H, P, D, dtype=F16)
+    kmax, q, scale = kmin.clone(), torch.zeros(B, H, D, dtype=F16), None
+    launch = tk.score.ScoreLaunch(packed_bounds=True)
+    assert tk.score.packed_halves(q, kmin, kmax, None, launch)
+    if what == "off":
+        launch = tk.score.ScoreLaunch()
+    elif what == "gqa":
+        q = torch.zeros(B, 2 * H, D, dtype=F16)
+    elif what == "fp32":
+        kmin, kmax, q = kmin.float(), kmax.float(), q.float()
+    elif what == "scale":  # 8-bit codes take packed_codes instead
+        scale = torch.ones(B, H, P)
+    elif what == "mma":  # the tensor-core form, asked for at MHA
+        launch = tk.score.ScoreLaunch(packed_bounds=True, mma=True)
+    elif what == "odd_d":
+        kmin, kmax, q = kmin[..., :63], kmax[..., :63], q[..., :63]
+    elif what == "strided":
+        kmin = torch.zeros(B, H, P, 2 * D, dtype=F16)[..., ::2]
+    else:  # rows not on a word boundary
+        kmin = torch.zeros(B * H * P * D + 1, dtype=F16)[1:].view(B, H, P, D)
+    assert not tk.score.packed_halves(q, kmin, kmax, scale, launch)
+
+
 @pytest.mark.parametrize("reduce", ["none", "max", "sum"])
 def test_score_forces_the_device_position_page(reduce):
     # The captured step scores the whole capacity; the page holding position pos - 1 is forced in the kernel.

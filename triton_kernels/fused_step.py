@@ -39,7 +39,7 @@ import torch
 
 from . import topk as _topk
 from ._common import as_u8, cdiv, interpreting, next_pow2, num_sms, pdl_available, require_triton, tl, triton
-from .score import ScoreLaunch, _score_block, mma_meta, packed_words, score_pages_ref
+from .score import ScoreLaunch, _score_block, mma_meta, score_pages_ref, word_form
 from .score import _check as _check_score
 from .sparse_attention import (
     LOG2E,
@@ -90,8 +90,8 @@ class StepLaunch:
     row timed (32K: 65.9 / 48.6 us).
 
     score_mma (three launches only): the scoring launch takes the score kernel's tensor-core form (`ScoreLaunch.mma`
-    True: `score_form`) where the bounds allow it. packed_codes / trunc_parts (three launches only): the scoring
-    launch's `ScoreLaunch` options of the same names (benchmarks/kernels/round34; off, untimed)."""
+    True: `score_form`) where the bounds allow it. packed_codes / trunc_parts / packed_bounds (three launches only):
+    the scoring launch's `ScoreLaunch` options of the same names (benchmarks/kernels/round34; off, untimed)."""
 
     score_block: int = 64
     score_item: int = 64
@@ -107,6 +107,7 @@ class StepLaunch:
     score_mma: bool = False
     packed_codes: bool = False
     trunc_parts: bool = False
+    packed_bounds: bool = False
 
     def __post_init__(self):
         if self.score_item % self.score_block:
@@ -128,7 +129,7 @@ class StepLaunch:
     def score_form(self) -> ScoreLaunch:
         """The `ScoreLaunch` whose form (`score_form`) the three-launch step's scoring takes."""
         return ScoreLaunch(block_p=self.score_block, mma=self.score_mma, packed_codes=self.packed_codes,
-                           trunc_parts=self.trunc_parts)
+                           trunc_parts=self.trunc_parts, packed_bounds=self.packed_bounds)
 
 
 STEP_LAUNCH = StepLaunch()
@@ -257,7 +258,7 @@ def _score_count_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr,
-    WORDS: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     """The three-launch step's first launch (`StepLaunch.launches`): score items, head-major, each counted toward
     its head; no Top-K, so it holds only the scoring's registers. A program takes items `pid, pid + grid, ...`:
@@ -369,7 +370,7 @@ def _score_item(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
     SCORE_ITEM: tl.constexpr, REDUCE: tl.constexpr, USE_SCALE: tl.constexpr, USE_CHAN: tl.constexpr,
     TK_BLOCK: tl.constexpr, TAIL: tl.constexpr, RANK_BITS: tl.constexpr, ONE_REDUCE: tl.constexpr,
-    TOPK: tl.constexpr = True, MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16, WORDS: tl.constexpr = False,
+    TOPK: tl.constexpr = True, MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16, WORDS: tl.constexpr = 0,
 ):
     """Score item `i_t`: `SCORE_ITEM` pages of one KV head (head-major), counted toward the head's Top-K; with TOPK,
     the head's last item to finish runs the head's Top-K and raises the head's flag (else `_topk_wait_kernel`
@@ -503,7 +504,7 @@ def quest_step(q, kmin, kmax, k_cache, v_cache, valid, seq_len: int, page_size: 
                                                window,
                                             **both, **s_meta, PDL=pdl, num_warps=launch.num_warps, **after,
                                             **mma_meta(q, kmin, scale, launch.score_form),
-                                            WORDS=packed_words(q, kmin, kmax, chan, launch.score_form)),
+                                            WORDS=word_form(q, kmin, kmax, scale, chan, launch.score_form)),
             _topk_wait_kernel[(B * H,)](scores, ids, state, P, nchunk, K_out, K_out, **t_meta, PDL=pdl,
                                         num_warps=launch.topk_warps or tk_warps, **after),
             _attend_kernel[(B * H * splits,)](

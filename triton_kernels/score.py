@@ -18,7 +18,7 @@ from ._common import (
 )
 from .bounds8 import check_chan
 
-__all__ = ["packed_words", "score_form", "score_pages", "score_pages_ref", "REDUCES"]
+__all__ = ["packed_halves", "packed_words", "score_form", "score_pages", "score_pages_ref", "REDUCES"]
 
 # How the query heads of a KV group are combined: "none" keeps one row per query head (the union
 # policy takes the union of their Top-K later); "max"/"sum" share one score row per KV head.
@@ -157,13 +157,18 @@ class ScoreLaunch:
     trunc_parts: "mma8" splits q' into its three bf16 parts by truncating bits (`_part_trunc`: integer ops) instead of
     rounding conversions, 72 of them a thread at 4 warps and 32 pages, issued at a quarter rate on sm_90 (offline
     SASS, benchmarks/kernels/round34). Same products (exact either way), sums rounded in another order. Off until
-    timed on a GPU."""
+    timed on a GPU.
+
+    packed_bounds: MHA rows over fp16 / bf16 bounds read them as 32-bit words, 2 channels a word, and take each
+    channel's bound by q's sign (`packed_halves` says where). Offline, 2.5 instructions a channel instead of 6; the
+    fp16 score is under the issue budget, but at 84-89% of its read floor (round 34). Off until timed on a GPU."""
 
     block_p: int = 32
     num_warps: int = 4
     mma: bool | None = None
     packed_codes: bool = False
     trunc_parts: bool = False
+    packed_bounds: bool = False
 
 
 SCORE_LAUNCH = ScoreLaunch()
@@ -203,9 +208,8 @@ _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
 @triton.jit
-def _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, stride_qb, stride_qh, stride_qd,
-                     stride_nb, stride_nh, stride_np, stride_xb, stride_xh, stride_xp, chan_ptr, stride_ch, stride_cd,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _code_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, chan_ptr, stride_ch,
+                     stride_cd, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query head's sum over channels of `max(q'_d * lo_d, q'_d * hi_d)`, `q' = q x channel scale`, over int8
     codes read as int32 words (4 channels a word: D % 4 == 0, unit channel stride, word-aligned rows; the launcher
     checks). Since the channel scales are positive and lo <= hi on a live page, the max is q'_d * hi_d where q'_d > 0,
@@ -215,12 +219,8 @@ def _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, strid
     o_w = tl.arange(0, BLOCK_W)
     m_w = o_w < D // 4
     m_pw = m_p[:, None] & m_w[None, :]
-    p_lo = (kmin_ptr.to(tl.pointer_type(tl.int32)) + o_row[:, None] * (stride_nb // 4) + i_h * (stride_nh // 4)
-            + o_p[:, None] * (stride_np // 4) + o_w[None, :])
-    p_hi = (kmax_ptr.to(tl.pointer_type(tl.int32)) + o_row[:, None] * (stride_xb // 4) + i_h * (stride_xh // 4)
-            + o_p[:, None] * (stride_xp // 4) + o_w[None, :])
-    b_lo = tl.load(p_lo, mask=m_pw, other=0)
-    b_hi = tl.load(p_hi, mask=m_pw, other=0)
+    b_lo = tl.load(p_lo0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
+    b_hi = tl.load(p_hi0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
     # Byte lane i of word w is channel 4 w + i (little-endian): q' as [BLOCK_W, 4] (one vector load a word), then
     # its 4 lanes apart.
     o_d = 4 * o_w[:, None] + tl.arange(0, 4)[None, :]
@@ -239,6 +239,41 @@ def _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, strid
     b_s += _lane_f32(b_u, 16) * q2[None, :]
     b_s += _lane_f32(b_u, 24) * q3[None, :]
     return tl.sum(b_s, axis=1)
+
+
+@triton.jit
+def _half_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, IS_BF16: tl.constexpr):
+    """One query head's sum over channels of `max(q_d * lo_d, q_d * hi_d)` over 16-bit float bounds read as int32
+    words (2 channels a word: D % 2 == 0, unit channel stride, word-aligned rows; the launcher checks). The max is
+    q_d * hi_d where q_d > 0, else q_d * lo_d (lo <= hi on a live page; a dead page's +-inf bounds are overwritten by
+    the caller): one masked select picks both halves of a word, and each channel costs a widening and a fused
+    multiply-add instead of two widenings, two products, a max and an add. The products are the elementwise form's;
+    only the sum's rounding differs (fused). [BLOCK_P] fp32."""
+    BLOCK_W: tl.constexpr = BLOCK_D // 2
+    o_w = tl.arange(0, BLOCK_W)
+    m_w = o_w < D // 2
+    m_pw = m_p[:, None] & m_w[None, :]
+    b_lo = tl.load(p_lo0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
+    b_hi = tl.load(p_hi0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
+    # The low half of word w is channel 2 w (little-endian): q as [BLOCK_W, 2] (one vector load a word), then apart.
+    o_d = 2 * o_w[:, None] + tl.arange(0, 2)[None, :]
+    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d * stride_qd, mask=m_w[:, None] & (o_d < D),
+                  other=0.0).to(tl.float32)
+    q0, q1 = tl.split(b_q)
+    b_take = tl.where(q0 > 0.0, 0xFFFF, 0) | tl.where(q1 > 0.0, -65536, 0)  # 0xFFFF0000 as int32
+    b_u = (b_hi & b_take[None, :]) | (b_lo & ~b_take[None, :])
+    b_s = _half_f32(b_u, IS_BF16) * q0[None, :]
+    b_s += _half_f32(b_u >> 16, IS_BF16) * q1[None, :]
+    return tl.sum(b_s, axis=1)
+
+
+@triton.jit
+def _half_f32(b_u, IS_BF16: tl.constexpr):
+    """The low 16 bits of int32 `b_u`, a 16-bit float's bits, as fp32 (exact)."""
+    if IS_BF16:
+        return (b_u << 16).to(tl.float32, bitcast=True)
+    return b_u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -313,7 +348,7 @@ def _score_block(
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     scale_ptr, stride_sb, stride_sh, stride_sp, USE_SCALE: tl.constexpr,
     chan_ptr, stride_ch, stride_cd, USE_CHAN: tl.constexpr,
-    MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16, WORDS: tl.constexpr = False,
+    MMA: tl.constexpr = 0, G_MMA: tl.constexpr = 16, WORDS: tl.constexpr = 0,
 ):
     """Score pages `o_p` of KV head (i_b, i_h) for its G query heads; pages P - 1 and CUR score +inf. The pages'
     bounds are read from batch rows `o_row` (beam search's page table; i_b otherwise). USE_SCALE: int8 codes
@@ -323,9 +358,10 @@ def _score_block(
     so `s = q+ @ hi^T + q- @ lo^T` with q's G rows padded to G_MMA: the halves of q are exact in its dtype and each
     product exact in the fp32 accumulator, so only the sum's rounding differs from the elementwise form. MMA 3 (8-bit
     codes, "mma8"; 4: the same with fp32 parts under the interpreter): the same two products over the codes, q times
-    the channel scales split into exact parts stacked as rows (see the branch). WORDS (G = 1, channel-scale codes,
-    `ScoreLaunch.packed_codes`): the codes read as 32-bit words, one code a channel chosen by q's sign
-    (`_code_word_score`)."""
+    the channel scales split into exact parts stacked as rows (see the branch). WORDS (G = 1; `word_form`): the
+    bounds read as 32-bit words, one bound a channel chosen by q's sign: 1 channel-scale codes
+    (`ScoreLaunch.packed_codes`, `_code_word_score`), 2 16-bit float bounds (`ScoreLaunch.packed_bounds`,
+    `_half_word_score`)."""
     o_d = tl.arange(0, BLOCK_D)
     m_p = o_p < P
     m_d = o_d < D
@@ -334,8 +370,10 @@ def _score_block(
     p_lo = kmin_ptr + o_row[:, None] * stride_nb + i_h * stride_nh + o_p[:, None] * stride_np + o_d[None, :] * stride_nd
     p_hi = kmax_ptr + o_row[:, None] * stride_xb + i_h * stride_xh + o_p[:, None] * stride_xp + o_d[None, :] * stride_xd
     # Same emptiness test as the reference (first channel only); these addresses are already in L1.
-    b_lo0 = tl.load(kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np, mask=m_p, other=0)
-    b_hi0 = tl.load(kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp, mask=m_p, other=0)
+    p_lo0 = kmin_ptr + o_row * stride_nb + i_h * stride_nh + o_p * stride_np  # each page's channel 0
+    p_hi0 = kmax_ptr + o_row * stride_xb + i_h * stride_xh + o_p * stride_xp
+    b_lo0 = tl.load(p_lo0, mask=m_p, other=0)
+    b_hi0 = tl.load(p_hi0, mask=m_p, other=0)
     m_dead = (b_lo0.to(tl.float32) > b_hi0.to(tl.float32)) | (o_p < P_DEAD)
     m_cur = (o_p == P - 1) | (o_p == CUR)
     if MMA >= 3:
@@ -397,12 +435,17 @@ def _score_block(
         else:
             tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op,
                      tl.sum(tl.where(m_g[:, None], b_sg, 0.0), axis=0), mask=m_p)
-    elif WORDS:
+    elif WORDS == 2:
+        b_s = _half_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, D, BLOCK_D,
+                               kmin_ptr.dtype.element_ty == tl.bfloat16)
+        b_s = tl.where(m_dead, float("-inf"), b_s)
+        b_s = tl.where(m_cur, float("inf"), b_s)
+        tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_s, mask=m_p)
+    elif WORDS == 1:
         b_sc = tl.load(scale_ptr + o_row * stride_sb + i_h * stride_sh + o_p * stride_sp, mask=m_p, other=0.0)
         # x the page's 2^e: exact, so the page's scale leaves the sum (as below).
-        b_s = _code_word_score(q_ptr, kmin_ptr, kmax_ptr, i_b, i_h, o_p, o_row, m_p, stride_qb, stride_qh, stride_qd,
-                               stride_nb, stride_nh, stride_np, stride_xb, stride_xh, stride_xp, chan_ptr, stride_ch,
-                               stride_cd, D, BLOCK_D) * b_sc
+        b_s = _code_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, chan_ptr,
+                               stride_ch, stride_cd, D, BLOCK_D) * b_sc
         b_s = tl.where(m_dead, float("-inf"), b_s)
         b_s = tl.where(m_cur, float("inf"), b_s)
         tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_p * stride_op, b_s, mask=m_p)
@@ -453,7 +496,7 @@ def _score_pages_kernel(
     P, P_DEAD, WINDOW, chan_ptr, stride_ch, stride_cd,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, REDUCE: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_SCALE: tl.constexpr, HAS_DUE: tl.constexpr,
-    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr, PAGE: tl.constexpr, WORDS: tl.constexpr = False,
+    USE_CHAN: tl.constexpr, MMA: tl.constexpr, G_MMA: tl.constexpr, PAGE: tl.constexpr, WORDS: tl.constexpr = 0,
 ):
     # Selection reuse (HAS_DUE): on a step that keeps its stored pages every program returns here, having read
     # one flag and nothing else (no bound, page table or position) and written nothing: `topk_pages(due=)` reads
@@ -483,15 +526,35 @@ def _score_pages_kernel(
                      MMA, G_MMA, WORDS)
 
 
+def _word_aligned(kmin, kmax, per_word: int) -> bool:
+    D = kmin.shape[-1]
+    return D % per_word == 0 and all(
+        t.stride(-1) == 1 and all(st % per_word == 0 for st in t.stride()[:-1]) and t.data_ptr() % 4 == 0
+        for t in (kmin, kmax))
+
+
+def packed_halves(q, kmin, kmax, scale=None, launch: ScoreLaunch = SCORE_LAUNCH) -> bool:
+    """Whether `score_pages` reads these 16-bit float bounds as 32-bit words (`ScoreLaunch.packed_bounds`): MHA
+    (G = 1), fp16 or bf16 bounds without a scale, D even, unit channel stride, every other stride even and both
+    bases 4-byte aligned, and the elementwise form (`score_form`). Elsewhere the element path runs, same products."""
+    if not (launch.packed_bounds and scale is None and kmin.dtype in _MMA_DTYPES and q.shape[1] == kmin.shape[1]):
+        return False
+    return score_form(q, kmin, scale, launch) == "elementwise" and _word_aligned(kmin, kmax, 2)
+
+
+def word_form(q, kmin, kmax, scale, chan, launch: ScoreLaunch = SCORE_LAUNCH) -> int:
+    """`_score_block`'s WORDS constexpr: 1 codes as words (`packed_words`), 2 16-bit floats as words
+    (`packed_halves`), 0 neither."""
+    return 1 if packed_words(q, kmin, kmax, chan, launch) else 2 if packed_halves(q, kmin, kmax, scale, launch) else 0
+
+
 def packed_words(q, kmin, kmax, chan, launch: ScoreLaunch = SCORE_LAUNCH) -> bool:
     """Whether `score_pages` reads these channel-scale codes as 32-bit words (`ScoreLaunch.packed_codes`): MHA
     (G = 1), int8 codes with `chan`, D % 4 == 0, unit channel stride, every other stride and both bases 4-byte
     aligned. Elsewhere the byte path runs, same scores up to rounding."""
     if not (launch.packed_codes and chan is not None and kmin.dtype == torch.int8 and q.shape[1] == kmin.shape[1]):
         return False
-    D = kmin.shape[-1]
-    return D % 4 == 0 and all(
-        t.stride(-1) == 1 and all(st % 4 == 0 for st in t.stride()[:-1]) and t.data_ptr() % 4 == 0 for t in (kmin, kmax))
+    return _word_aligned(kmin, kmax, 4)
 
 
 def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int = 0, reduce: str = "none",
@@ -526,7 +589,7 @@ def score_pages(q, kmin, kmax, seq_len: int, page_size: int, window_start: int =
         chan if chan is not None else out, *(chan.stride() if chan is not None else (0, 0)),
         G=G, D=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_P=launch.block_p, REDUCE=_REDUCE_CODE[reduce], HAS_POS=pos is not None,
         HAS_ROWS=rows is not None, USE_SCALE=scale is not None, HAS_DUE=due is not None, USE_CHAN=chan is not None,
-        **mma_meta(q, kmin, scale, launch), PAGE=page_size, WORDS=packed_words(q, kmin, kmax, chan, launch),
+        **mma_meta(q, kmin, scale, launch), PAGE=page_size, WORDS=word_form(q, kmin, kmax, scale, chan, launch),
         num_warps=launch.num_warps,
     )
     return out

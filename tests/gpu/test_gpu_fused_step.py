@@ -47,7 +47,7 @@ CASES = [
 
 LAUNCHES = [fs.STEP_LAUNCH, fs.StepLaunch(launches=3), fs.StepLaunch(launches=3, score_item=32, score_block=32,
                                                                       score_programs=2),
-            fs.StepLaunch(launches=3, score_programs=4, packed_codes=True, trunc_parts=True)]
+            fs.StepLaunch(launches=3, score_programs=4, packed_codes=True, trunc_parts=True, packed_bounds=True)]
 LAUNCH_IDS = ["one-launch", "three-launches", "resident-scoring", "three-launches-score-opts"]
 
 
@@ -68,9 +68,10 @@ def test_fused_step_equals_the_separate_kernels(B, Hq, Hkv, L, extra, reduce, bo
         kw = dict(scale=sc, chan=chan)
     sink = torch.linspace(-1, 3, Hq, device=DEV) if sinks else None
     att = dict(softcap=softcap, sinks=sink)
-    # The separate score with the step's score options (round 34's packed codes / truncated parts), so that both
+    # The separate score with the step's score options (round 34's packed codes and bounds, truncated parts), so both
     # compute each page's score alike.
-    opts = ScoreLaunch(packed_codes=launch.packed_codes, trunc_parts=launch.trunc_parts)
+    opts = ScoreLaunch(packed_codes=launch.packed_codes, trunc_parts=launch.trunc_parts,
+                       packed_bounds=launch.packed_bounds)
     s = tk.score_pages(q, lo, hi, C, S, 0, reduce, pos=pos, window=window, **kw, launch=opts)
     ids_sep = tk.topk_pages(s, k, 1)
     out_sep = tk.sparse_decode_attention(q, kc, vc, ids_sep, valid, C, S, D ** -0.5, 0, pos=pos if window else None,

@@ -34,11 +34,14 @@ def test_mma_scores_match_the_elementwise_form_and_the_reference(dtype, B, Hq, H
     pos = torch.tensor((P - empty) * S - 3, device=DEV)
     C = P * S
     got = {}
-    for mma in (True, False):
-        launch = ScoreLaunch(mma=mma)
-        assert tk.score_form(q, kmin, launch=launch) == ("mma" if mma else "elementwise")
+    # The two forms, and (round 34) the elementwise one over 2-channel words (MHA rows only; elsewhere unchanged).
+    launches = {True: ScoreLaunch(mma=True), False: ScoreLaunch(mma=False),
+                "words": ScoreLaunch(mma=False, packed_bounds=True)}
+    assert tk.score.packed_halves(q, kmin, kmax, None, launches["words"]) == (Hq == H)
+    for name, launch in launches.items():
+        assert tk.score_form(q, kmin, launch=launch) == ("mma" if name is True else "elementwise")
         out = torch.full((B, Hq if reduce == "none" else H, P), float("nan"), device=DEV)
-        got[mma] = tk.score_pages(q, kmin, kmax, C, S, 64, reduce, pos=pos, launch=launch, out=out)
+        got[name] = tk.score_pages(q, kmin, kmax, C, S, 64, reduce, pos=pos, launch=launch, out=out)
     ref = tk.score_pages_ref(q, kmin, kmax, C, S, 64, reduce, pos=pos)
     fin = ref.isfinite()
     assert (ref == float("-inf")).any() and (ref == float("inf")).any()

@@ -35,7 +35,7 @@ def signature(bounds_ty):
     return sig
 
 
-def row(name, codes, G, mma, words=False, block_p=32, warps=4):
+def row(name, codes, G, mma, words=0, block_p=32, warps=4):
     g_mma = max(16, 4 * triton.next_power_of_2(G)) if mma >= 3 else max(16, triton.next_power_of_2(G))
     consts = dict(G=G, D=128, BLOCK_D=128, BLOCK_P=block_p, REDUCE=0, HAS_POS=True, HAS_ROWS=False, USE_SCALE=codes,
                   HAS_DUE=False, USE_CHAN=codes, MMA=mma, G_MMA=g_mma, PAGE=16, WORDS=words, **UNIT)
@@ -58,8 +58,9 @@ if __name__ == "__main__":
           "of budget (H100 SXM, H200) |\n|---|---|---|---|---|---|---|---|")
     for bp, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)):
         row("MHA fp16 bounds (elementwise)", False, 1, 0, block_p=bp, warps=w)
+        row("MHA fp16 bounds, packed_bounds", False, 1, 0, words=2, block_p=bp, warps=w)
         row("MHA int8_channel, bytes (elementwise)", True, 1, 0, block_p=bp, warps=w)
-        row("MHA int8_channel, packed_codes", True, 1, 0, words=True, block_p=bp, warps=w)
+        row("MHA int8_channel, packed_codes", True, 1, 0, words=1, block_p=bp, warps=w)
         row("GQA-4 fp16 bounds (mma)", False, 4, 1, block_p=bp, warps=w)
         row("GQA-4 int8_channel (mma8)", True, 4, 3, block_p=bp, warps=w)
         row("GQA-4 int8_channel (mma8, trunc_parts)", True, 4, 5, block_p=bp, warps=w)
