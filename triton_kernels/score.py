@@ -199,7 +199,7 @@ def mma_meta(q, kmin, scale, launch) -> dict:
     if form == "mma":
         mma = 2 if interpreting() and q.dtype == torch.bfloat16 else 1
     elif form == "mma8":  # rows: 3 parts (padded to 4) x the group's heads (padded)
-        mma = 4 if interpreting() else 5 if getattr(launch, "trunc_parts", False) else 3
+        mma = 4 if interpreting() else 5 if launch.trunc_parts else 3
         return dict(MMA=mma, G_MMA=max(16, 4 * next_pow2(q.shape[1] // kmin.shape[1])))
     return dict(MMA=mma, G_MMA=max(16, next_pow2(q.shape[1] // kmin.shape[1])))
 
@@ -208,26 +208,36 @@ _REDUCE_CODE = {"none": 0, "max": 1, "sum": 2}
 
 
 @triton.jit
-def _code_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, chan_ptr, stride_ch,
-                     stride_cd, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One query head's sum over channels of `max(q'_d * lo_d, q'_d * hi_d)`, `q' = q x channel scale`, over int8
-    codes read as int32 words (4 channels a word: D % 4 == 0, unit channel stride, word-aligned rows; the launcher
-    checks). Since the channel scales are positive and lo <= hi on a live page, the max is q'_d * hi_d where q'_d > 0,
-    else q'_d * lo_d: one masked select picks 4 codes at once, and each code becomes fp32 exactly by integer ops and one
-    add (2^23 + u as bits, u = code + 128, minus 2^23 + 128). [BLOCK_P] fp32, before the page's scale."""
-    BLOCK_W: tl.constexpr = BLOCK_D // 4
+def _bound_words(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, LANES: tl.constexpr):
+    """What both word paths read (`ScoreLaunch.packed_codes` / `packed_bounds`): each page's bounds as int32 words of
+    LANES channels (`p_lo0` / `p_hi0`: the pages' channel-0 addresses; D % LANES == 0, unit channel stride, word-aligned
+    rows: the launcher checks), and q as fp32 [BLOCK_D // LANES, LANES] (one vector load a word; lane i of word w is
+    channel LANES w + i, little-endian). Returns (lo, hi, q, channels, channel mask)."""
+    BLOCK_W: tl.constexpr = BLOCK_D // LANES
     o_w = tl.arange(0, BLOCK_W)
-    m_w = o_w < D // 4
+    m_w = o_w < D // LANES
     m_pw = m_p[:, None] & m_w[None, :]
     b_lo = tl.load(p_lo0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
     b_hi = tl.load(p_hi0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
-    # Byte lane i of word w is channel 4 w + i (little-endian): q' as [BLOCK_W, 4] (one vector load a word), then
-    # its 4 lanes apart.
-    o_d = 4 * o_w[:, None] + tl.arange(0, 4)[None, :]
+    o_d = LANES * o_w[:, None] + tl.arange(0, LANES)[None, :]
     m_d = m_w[:, None] & (o_d < D)
     b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d * stride_qd, mask=m_d, other=0.0).to(tl.float32)
+    return b_lo, b_hi, b_q, o_d, m_d
+
+
+@triton.jit
+def _code_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, chan_ptr, stride_ch,
+                     stride_cd, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One query head's sum over channels of `max(q'_d * lo_d, q'_d * hi_d)`, `q' = q x channel scale`, over int8
+    codes read 4 channels a word (`_bound_words`). Since the channel scales are positive and lo <= hi on a live page,
+    the max is q'_d * hi_d where q'_d > 0, else q'_d * lo_d: one masked select picks 4 codes at once, and each code
+    becomes fp32 exactly by integer ops and one add (2^23 + u as bits, u = code + 128, minus 2^23 + 128). [BLOCK_P]
+    fp32, before the page's scale."""
+    b_lo, b_hi, b_q, o_d, m_d = _bound_words(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, D,
+                                             BLOCK_D, 4)
     b_q = b_q * tl.load(chan_ptr + i_h * stride_ch + o_d * stride_cd, mask=m_d, other=0.0)
-    q02, q13 = tl.split(tl.reshape(b_q, [BLOCK_W, 2, 2]))  # lanes (0, 2) and (1, 3)
+    q02, q13 = tl.split(tl.reshape(b_q, [BLOCK_D // 4, 2, 2]))  # lanes (0, 2) and (1, 3)
     q0, q2 = tl.split(q02)
     q1, q3 = tl.split(q13)
     b_take = tl.where(q0 > 0.0, 0xFF, 0) | tl.where(q1 > 0.0, 0xFF00, 0) | tl.where(q2 > 0.0, 0xFF0000, 0)
@@ -244,22 +254,13 @@ def _code_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, s
 @triton.jit
 def _half_word_score(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, IS_BF16: tl.constexpr):
-    """One query head's sum over channels of `max(q_d * lo_d, q_d * hi_d)` over 16-bit float bounds read as int32
-    words (2 channels a word: D % 2 == 0, unit channel stride, word-aligned rows; the launcher checks). The max is
-    q_d * hi_d where q_d > 0, else q_d * lo_d (lo <= hi on a live page; a dead page's +-inf bounds are overwritten by
-    the caller): one masked select picks both halves of a word, and each channel costs a widening and a fused
-    multiply-add instead of two widenings, two products, a max and an add. The products are the elementwise form's;
-    only the sum's rounding differs (fused). [BLOCK_P] fp32."""
-    BLOCK_W: tl.constexpr = BLOCK_D // 2
-    o_w = tl.arange(0, BLOCK_W)
-    m_w = o_w < D // 2
-    m_pw = m_p[:, None] & m_w[None, :]
-    b_lo = tl.load(p_lo0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
-    b_hi = tl.load(p_hi0.to(tl.pointer_type(tl.int32))[:, None] + o_w[None, :], mask=m_pw, other=0)
-    # The low half of word w is channel 2 w (little-endian): q as [BLOCK_W, 2] (one vector load a word), then apart.
-    o_d = 2 * o_w[:, None] + tl.arange(0, 2)[None, :]
-    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d * stride_qd, mask=m_w[:, None] & (o_d < D),
-                  other=0.0).to(tl.float32)
+    """One query head's sum over channels of `max(q_d * lo_d, q_d * hi_d)` over 16-bit float bounds read 2 channels a
+    word (`_bound_words`). The max is q_d * hi_d where q_d > 0, else q_d * lo_d (lo <= hi on a live page; a dead
+    page's +-inf bounds are overwritten by the caller): one masked select picks both halves of a word, and each channel
+    costs a widening and a fused multiply-add instead of two widenings, two products, a max and an add. The products
+    are the elementwise form's; only the sum's rounding differs (fused). [BLOCK_P] fp32."""
+    b_lo, b_hi, b_q, _, _ = _bound_words(q_ptr, p_lo0, p_hi0, i_b, i_h, m_p, stride_qb, stride_qh, stride_qd, D,
+                                         BLOCK_D, 2)
     q0, q1 = tl.split(b_q)
     b_take = tl.where(q0 > 0.0, 0xFFFF, 0) | tl.where(q1 > 0.0, -65536, 0)  # 0xFFFF0000 as int32
     b_u = (b_hi & b_take[None, :]) | (b_lo & ~b_take[None, :])
